@@ -1,0 +1,31 @@
+# Two commands for a fresh machine (each sets itself up):
+#   make demo   - fine-tune the embedded tiny default (no downloads) and print where the outputs are
+#   make test   - lint + the whole test suite (unit, recipe integration, 2-process distributed)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: the CPU wheel that lies on the machine (a bare 'torch' pulls a CUDA build).
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q -x --durations=15
+
+clean:
+	rm -rf $(VENV) .venv-interop

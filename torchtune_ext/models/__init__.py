@@ -1,0 +1,70 @@
+"""QLoRA model builders: torchtune's architectures with NF4 bases in an explicit compute dtype.
+
+Each ``qlora_*`` builder takes the matching torchtune ``lora_*`` builder's arguments plus ``dtype``,
+``adapter_dtype``, ``device`` (default "meta") and ``seed``; see :func:`build_qlora`.
+"""
+
+from torchtune.models.llama2 import lora_llama2_7b, lora_llama2_13b, lora_llama2_70b
+from torchtune.models.llama3_1 import lora_llama3_1_8b, lora_llama3_1_70b
+from torchtune.models.llama3_2 import lora_llama3_2_1b, lora_llama3_2_3b
+from torchtune.models.mistral import lora_mistral_7b
+from torchtune.models.qwen2_5 import (
+    lora_qwen2_5_0_5b,
+    lora_qwen2_5_1_5b_instruct,
+    lora_qwen2_5_3b,
+    lora_qwen2_5_7b_instruct,
+)
+
+from torchtune_ext.models._qlora import build_qlora, init_weights_, materialize_, qlora_builder
+from torchtune_ext.models._tiny import (
+    TINY_LLAMA_ARGS,
+    TINY_QWEN_ARGS,
+    lora_tiny_llama,
+    lora_tiny_qwen,
+    qlora_tiny_llama,
+    qlora_tiny_qwen,
+)
+
+qlora_llama2_7b = qlora_builder(lora_llama2_7b)
+qlora_llama2_13b = qlora_builder(lora_llama2_13b)
+qlora_llama2_70b = qlora_builder(lora_llama2_70b)
+qlora_llama3_1_8b = qlora_builder(lora_llama3_1_8b)
+qlora_llama3_1_70b = qlora_builder(lora_llama3_1_70b)
+qlora_llama3_2_1b = qlora_builder(lora_llama3_2_1b)
+qlora_llama3_2_3b = qlora_builder(lora_llama3_2_3b)
+qlora_qwen2_5_0_5b = qlora_builder(lora_qwen2_5_0_5b)
+qlora_qwen2_5_1_5b_instruct = qlora_builder(lora_qwen2_5_1_5b_instruct)
+qlora_qwen2_5_3b = qlora_builder(lora_qwen2_5_3b)
+qlora_qwen2_5_7b_instruct = qlora_builder(lora_qwen2_5_7b_instruct)
+qlora_mistral_7b = qlora_builder(lora_mistral_7b)
+
+#: our builder -> the torchtune builder it wraps (tests compare the two).
+QLORA_BUILDERS = {
+    qlora_llama2_7b: lora_llama2_7b,
+    qlora_llama2_13b: lora_llama2_13b,
+    qlora_llama2_70b: lora_llama2_70b,
+    qlora_llama3_1_8b: lora_llama3_1_8b,
+    qlora_llama3_1_70b: lora_llama3_1_70b,
+    qlora_llama3_2_1b: lora_llama3_2_1b,
+    qlora_llama3_2_3b: lora_llama3_2_3b,
+    qlora_qwen2_5_0_5b: lora_qwen2_5_0_5b,
+    qlora_qwen2_5_1_5b_instruct: lora_qwen2_5_1_5b_instruct,
+    qlora_qwen2_5_3b: lora_qwen2_5_3b,
+    qlora_qwen2_5_7b_instruct: lora_qwen2_5_7b_instruct,
+    qlora_mistral_7b: lora_mistral_7b,
+    qlora_tiny_llama: lora_tiny_llama,
+    qlora_tiny_qwen: lora_tiny_qwen,
+}
+
+__all__ = [
+    "QLORA_BUILDERS",
+    "TINY_LLAMA_ARGS",
+    "TINY_QWEN_ARGS",
+    "build_qlora",
+    "init_weights_",
+    "lora_tiny_llama",
+    "lora_tiny_qwen",
+    "materialize_",
+    "qlora_builder",
+    *[builder.__name__ for builder in QLORA_BUILDERS],
+]
