@@ -10,8 +10,13 @@ on ``import torchtune_ext``, and does two things:
    - ``_c10d_functional._wrap_tensor_autograd``: functional collectives wrap their outputs with it
      (``DTensor.full_tensor()``, ``redistribute``), so an all-gathered NF4 shard fails without it.
      For NF4 the wrap is a wait on each inner tensor, as torchao's own ``wait_tensor`` handler does.
-   - ``aten.alias.default``: ``nn.Parameter`` and autograd views take aliases of NF4 params on
-     torch >= 2.11 (seen when FSDP2 registers unsharded NF4 params).
+
+   That is the only one: on torch 2.13 + torchao 0.15 (2-process gloo, tests/torchtune_ext/test_fsdp_nf4.py),
+   FSDP2 ``fully_shard`` of models built on CPU or meta (with or without ``set_trainable_params`` first),
+   forward/backward, ``state_dict``, ``full_tensor``, ``redistribute``, ``to_local``, torch DCP save/load,
+   ``get_model_state_dict``/``set_model_state_dict``, torchtune's ``gather_cpu_state_dict`` and
+   ``load_from_full_model_state_dict``, ``torch.save``/``torch.load``, ``deepcopy`` and ``.to(device)`` of NF4
+   params and models all work with it alone (``aten.alias`` is never dispatched on these paths).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ try:
     from torchao.dtypes.nf4tensor import (
         _INNER_TENSOR_NAMES_FOR_SHARDING,
         NF4Tensor,
+        SubclassTensorArgs,
         construct_nf4_args,
         to_nf4,
     )
@@ -33,7 +39,7 @@ except ImportError as err:  # pragma: no cover - depends on the installed torcha
         "pip install 'torchao>=0.14,<0.16'"
     ) from err
 
-__all__ = ["NF4Tensor", "to_nf4", "nf4_ops_table_implements"]
+__all__ = ["NF4Tensor", "SubclassTensorArgs", "to_nf4", "nf4_ops_table_implements"]
 
 
 def _map_inner_tensors(nf4: NF4Tensor, fn) -> NF4Tensor:
@@ -49,10 +55,6 @@ def _register_missing_nf4_ops() -> None:
         def _nf4_wrap_tensor_autograd(func, args, kwargs=None):
             wait = torch.ops._c10d_functional.wait_tensor.default
             return _map_inner_tensors(args[0], wait)
-
-    @nf4_ops_table_implements([torch.ops.aten.alias.default])
-    def _nf4_alias(func, args, kwargs=None):
-        return _map_inner_tensors(args[0], lambda t: t)
 
 
 _register_missing_nf4_ops()

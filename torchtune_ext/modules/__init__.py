@@ -5,6 +5,7 @@ from torchtune_ext.modules.low_precision import (
     LinearNF4,
     dequantize_nf4,
     linear_nf4,
+    quantize_nf4,
     to_nf4_frozen,
 )
 from torchtune_ext.modules.peft import DoRALinear, LoRALinear
@@ -16,5 +17,6 @@ __all__ = [
     "LoRALinear",
     "dequantize_nf4",
     "linear_nf4",
+    "quantize_nf4",
     "to_nf4_frozen",
 ]

@@ -1,32 +1,59 @@
-"""NF4 linear with an explicit compute dtype.
+"""NF4 linear with an explicit compute dtype, and fast NF4 (de)quantization.
 
 Why this is a fork: torchao's ``LinearNF4`` (used by torchtune 0.6.1's ``FrozenNF4Linear`` and ``LoRALinear``)
 computes in whatever dtype the activation happens to have, ignores the compute dtype the user asked for, and
-dequantizes through ``NF4Tensor.get_original_weight``, which is slow (two gathers, int64 indices, a stack).
-This module keeps torchao's ``NF4Tensor`` storage layout untouched (so FSDP2, ``to_nf4`` and torchtune's helpers
-keep working) and replaces only the compute path:
+dequantizes through ``NF4Tensor.get_original_weight``, which is slow (two gathers, int64 indices, a stack);
+torchao's ``to_nf4`` is slower still (a 16-wide argmin per value). This module keeps torchao's ``NF4Tensor``
+storage layout untouched (so FSDP2, ``to_nf4`` and torchtune's helpers keep working) and replaces the compute path:
 
 - ``dequantize_nf4``: values identical to ``get_original_weight`` (same formula, same dtype at every step), but
   through one lookup table that decodes two packed bytes (four NF4 codes) at once.
-- ``linear_nf4``: dequantizes to the compute ``dtype``, computes in it, and saves only the NF4 weight for backward.
-- ``FrozenNF4Linear``: an ``nn.Linear`` whose weight is a frozen NF4Tensor that never carries autograd history.
+- ``quantize_nf4`` / ``to_nf4_frozen``: the NF4Tensor of torchao's ``to_nf4``, bit for bit, without the argmin;
+  never carries autograd history, and is free on the meta device.
+- ``linear_nf4``: dequantizes to the compute ``dtype``, computes in it, and saves only the NF4 weight for backward;
+  on CPU it dequantizes slab by slab into a reused buffer, so the dense weight never exists whole.
+- ``FrozenNF4Linear``: an ``nn.Linear`` whose weight is a frozen NF4Tensor.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._prims_common import make_contiguous_strides_for
 
-from torchtune_ext._compat import NF4Tensor, to_nf4
+from torchtune_ext._compat import NF4Tensor, SubclassTensorArgs
 
 NF4_BLOCK_SIZE = 64
 NF4_SCALER_BLOCK_SIZE = 256
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
+# The decoding table's rows hold four values, viewed as one wide element (8 bytes for 16-bit dtypes, 16 bytes
+# for fp32) so that decoding is a 1-D gather; fp64 rows are two complex128 elements.
+_WIDE_DTYPES = {2: torch.int64, 4: torch.complex128, 8: torch.complex128}
 _QUAD_LUTS: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
+# torchao's NF4 levels, as torchao writes them (NF4Tensor.from_tensor); the tests check they stay equal.
+# fmt: off
+_NF4_LEVELS = [
+    -1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
+    0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0,
+]
+# fmt: on
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CODE_THRESHOLDS: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_CODE_TABLES: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
+_N_CODE_BINS = 2048
+# CPU (de)quantization works on chunks of this many values: no full-size temporaries, and few enough parallel
+# regions (each one stalls when a core is busy with another process).
+_CPU_CHUNK_NUMEL = 1 << 22
+# On accelerators quantization still chunks (as torchao does) to bound its temporaries (about 16 bytes a value).
+_ACCELERATOR_CHUNK_NUMEL = 1 << 24
+# CPU linear_nf4 dequantizes slabs of about this many weights (at least _MIN_SLAB_DIM rows/columns) per matmul.
+_CPU_SLAB_NUMEL = 1 << 22
+_MIN_SLAB_DIM = 256
 
 
 def check_float_dtype(dtype: Optional[torch.dtype], what: str = "dtype") -> None:
@@ -88,7 +115,9 @@ def to_nf4_frozen(
 
     ``fully_shard`` makes views of every parameter; an NF4Tensor whose wrapper requires grad (as
     ``to_nf4(linear.weight)`` gives) makes those views differentiable and FSDP2 fails with
-    "Attempted to make a tensor into a differentiable view".
+    "Attempted to make a tensor into a differentiable view". The values are torchao's ``to_nf4`` (see
+    :func:`quantize_nf4`); a meta ``tensor`` gives a meta NF4Tensor with the inner tensors ``to_nf4`` would make,
+    without running the quantizer.
 
     Args:
         tensor (torch.Tensor): 2-D dense weight; the NF4Tensor keeps its dtype as its dequantization dtype.
@@ -97,27 +126,194 @@ def to_nf4_frozen(
 
     Returns:
         NF4Tensor: the quantized weight.
+
+    Raises:
+        ValueError: if the dtype is not a float dtype or the shape cannot be NF4-quantized.
     """
+    return quantize_nf4(tensor, block_size, scaler_block_size)
+
+
+@torch.no_grad()
+def quantize_nf4(
+    tensor: torch.Tensor,
+    block_size: int = NF4_BLOCK_SIZE,
+    scaler_block_size: int = NF4_SCALER_BLOCK_SIZE,
+) -> NF4Tensor:
+    """Quantizes ``tensor`` to NF4; the same NF4Tensor as torchao's ``to_nf4``, bit for bit, much faster.
+
+    torchao finds each value's NF4 code as the argmin of its 16 distances to the NF4 levels (a 16x wide
+    temporary). Those codes are a non-decreasing function of the scaled value (the levels are sorted and
+    rounding is monotonic), so they equal the count of 15 thresholds at or below the value, computed once per dtype
+    with torchao's own nearest-level function (see :func:`_code_thresholds`). The count is a table lookup on a
+    fine grid of [-1, 1] plus one comparison (see :func:`_code_tables`). The double quantization of the block
+    scales is torchao's arithmetic, op for op. The work runs in chunks, so the temporaries stay small. A meta ``tensor`` gives a meta NF4Tensor with the inner tensors ``to_nf4`` would make.
+
+    Args:
+        tensor (torch.Tensor): 2-D float weight. The result does not require grad.
+        block_size (int): NF4 block size.
+        scaler_block_size (int): block size of the scale double quantization.
+
+    Returns:
+        NF4Tensor: the quantized weight.
+
+    Raises:
+        ValueError: if the dtype is not a float dtype or the shape cannot be NF4-quantized.
+    """
+    check_float_dtype(tensor.dtype, "weight dtype")
     check_nf4_shape(tuple(tensor.shape), block_size, scaler_block_size)
-    with torch.no_grad():
-        return to_nf4(tensor.detach().contiguous(), block_size, scaler_block_size)
+    if tensor.is_meta:
+        return _meta_nf4(tensor.shape, tensor.dtype, block_size, scaler_block_size)
+    flat = tensor.detach().flatten()
+    nf4 = torch.tensor(_NF4_LEVELS, device=tensor.device, dtype=tensor.dtype)
+    blocks = flat.view(-1, block_size)
+    n_blocks = blocks.shape[0]
+    absmax = torch.empty(n_blocks, dtype=tensor.dtype, device=tensor.device)
+    packed = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=tensor.device)
+    base_codes, bin_thresholds = _code_tables(nf4)
+    chunk = max(1, (_CPU_CHUNK_NUMEL if tensor.device.type == "cpu" else _ACCELERATOR_CHUNK_NUMEL) // block_size)
+    for start in range(0, n_blocks, chunk):
+        stop = min(start + chunk, n_blocks)
+        torch.amax(blocks[start:stop].abs(), dim=1, out=absmax[start:stop])
+        scaled = (blocks[start:stop] / absmax[start:stop].unsqueeze(-1)).view(-1)
+        # The bin of each scaled value in [-1, 1]; NaN (all-zero or infinite blocks) goes to bin 0 and, failing
+        # every comparison, gets code 0 as torchao's argmin over all-NaN distances does.
+        bins = scaled.float().mul(_N_CODE_BINS / 2).add_(_N_CODE_BINS / 2).nan_to_num_(0.0)
+        bins = bins.to(torch.int32).clamp_(0, _N_CODE_BINS - 1)
+        codes = base_codes.index_select(0, bins)
+        codes += scaled >= bin_thresholds.index_select(0, bins)
+        pairs = codes.view(-1, 2)
+        packed[start * block_size // 2 : stop * block_size // 2] = (pairs[:, 0] << 4) | pairs[:, 1]
+    quantized_scalers, quantization_factor, scaler_mean = _double_quantize_scalers(absmax, scaler_block_size)
+    tensor_meta = SubclassTensorArgs(
+        tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device, False
+    )
+    return NF4Tensor(
+        tensor_meta,
+        block_size,
+        n_blocks,
+        scaler_block_size,
+        quantized_scalers,
+        quantization_factor,
+        scaler_mean,
+        packed,
+        nf4,
+    )
+
+
+def _double_quantize_scalers(
+    absmax: torch.Tensor, scaler_block_size: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchao's ``NF4Tensor.double_quantize_scalers``, op for op, given the block absmaxes."""
+    mean = absmax.mean()
+    centered = (absmax - mean).view(-1, scaler_block_size)
+    factor = 256 / (2 * centered.abs().max(dim=1).values.unsqueeze(-1))
+    quantized = (centered * factor).round().clamp(-128, 127)
+    return quantized.flatten().to(torch.int8), factor[:, 0].contiguous(), mean
+
+
+def _ordered_key(value: torch.Tensor) -> int:
+    """An integer that orders like the float ``value`` (one element)."""
+    bits = int(value.view(_INT_OF_SIZE[value.element_size()]).item())
+    return bits if bits >= 0 else -(bits & ((1 << (8 * value.element_size() - 1)) - 1)) - 1
+
+
+def _from_key(key: int, like: torch.Tensor) -> torch.Tensor:
+    nbits = 8 * like.element_size()
+    bits = key if key >= 0 else (-key - 1) - (1 << (nbits - 1))
+    return torch.tensor([bits], dtype=_INT_OF_SIZE[like.element_size()], device=like.device).view(like.dtype)
+
+
+def _code_thresholds(nf4: torch.Tensor) -> torch.Tensor:
+    """``t[i - 1]``: the smallest value of ``nf4.dtype`` that torchao's nearest-level search maps to a code >= i.
+
+    Found by bisection over the values between levels ``i - 1`` and ``i``, evaluating torchao's own
+    ``NF4Tensor.quantize_tensor_nearest`` (so its rounding and tie-breaking are reproduced exactly).
+    """
+    key = (nf4.dtype, nf4.device)
+    thresholds = _CODE_THRESHOLDS.get(key)
+    if thresholds is None:
+        values = []
+        for code in range(1, 16):
+            low, high = _ordered_key(nf4[code - 1]), _ordered_key(nf4[code])
+            while high - low > 1:
+                mid = (low + high) // 2
+                if NF4Tensor.quantize_tensor_nearest(_from_key(mid, nf4), nf4).item() >= code:
+                    high = mid
+                else:
+                    low = mid
+            values.append(_from_key(high, nf4))
+        thresholds = torch.cat(values)
+        _CODE_THRESHOLDS[key] = thresholds
+    return thresholds
+
+
+def _code_tables(nf4: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per bin of a uniform grid of [-1, 1]: the code below the bin and the one threshold inside it (or +inf).
+
+    With ``b`` the bin of a scaled value ``v``, ``code(v) = base[b] + (v >= threshold[b])``. Each bin is widened by
+    a whole bin on both sides, so the rounding of ``b``'s computation cannot matter; the thresholds are 0.08
+    apart and a widened bin (3 / 1024 wide for 2048 bins) holds at most one.
+    """
+    key = (nf4.dtype, nf4.device)
+    tables = _CODE_TABLES.get(key)
+    if tables is None:
+        thresholds = _code_thresholds(nf4).double().cpu()
+        edges = torch.linspace(-1, 1, _N_CODE_BINS + 1, dtype=torch.float64)
+        margin = 2.0 / _N_CODE_BINS
+        below = torch.searchsorted(thresholds, edges[:-1] - margin, right=True)
+        upto = torch.searchsorted(thresholds, edges[1:] + margin, right=True)
+        assert int((upto - below).max()) <= 1, "NF4 code thresholds closer than the code-table bins"
+        inside = torch.cat([thresholds, thresholds.new_full((1,), float("inf"))])[below]
+        inside = torch.where(upto > below, inside, float("inf"))
+        tables = (below.to(torch.int32).to(nf4.device), inside.to(device=nf4.device, dtype=nf4.dtype))
+        _CODE_TABLES[key] = tables
+    return tables
+
+
+def _meta_nf4(shape: torch.Size, dtype: torch.dtype, block_size: int, scaler_block_size: int) -> NF4Tensor:
+    """The NF4Tensor ``to_nf4(torch.empty(shape, dtype=dtype, device="meta"))`` returns, built directly."""
+    numel = math.prod(shape)
+    n_blocks = numel // block_size
+
+    def meta(size, inner_dtype):
+        return torch.empty(size, dtype=inner_dtype, device="meta")
+
+    tensor_meta = SubclassTensorArgs(
+        torch.Size(shape), make_contiguous_strides_for(shape), 0, dtype, torch.device("meta"), False
+    )
+    return NF4Tensor(
+        tensor_meta,
+        block_size,
+        n_blocks,
+        scaler_block_size,
+        meta((n_blocks,), torch.int8),  # quantized_scalers
+        meta((n_blocks // scaler_block_size,), dtype),  # quantization_factor
+        meta((), dtype),  # scaler_mean
+        meta((numel // 2,), torch.uint8),  # quantized_data: two codes per byte
+        meta((16,), dtype),  # nf4 table
+    )
 
 
 def _quad_lut(nf4_values: torch.Tensor) -> torch.Tensor:
-    """A (65536, 4) table: row ``v`` holds the four NF4 values packed in the int16 ``v`` (two bytes)."""
+    """A 65536-row table: row ``v`` holds the four NF4 values packed in the uint16 ``v`` (two bytes).
+
+    Cached per dtype and device: every NF4Tensor carries torchao's same 16 levels (see ``_NF4_LEVELS``).
+    """
     key = (nf4_values.dtype, nf4_values.device)
     lut = _QUAD_LUTS.get(key)
     if lut is None:
         codes = torch.arange(65536, dtype=torch.int32, device=nf4_values.device)
-        # Little-endian: the int16 view puts byte 0 in the low bits; each byte packs (hi, lo) nibbles.
+        # Little-endian: the uint16 view puts byte 0 in the low bits; each byte packs (hi, lo) nibbles.
         low_byte, high_byte = codes & 0xFF, codes >> 8
         nibbles = torch.stack([low_byte >> 4, low_byte & 0xF, high_byte >> 4, high_byte & 0xF], dim=-1)
-        lut = nf4_values[nibbles].contiguous()
+        lut = nf4_values[nibbles.long()].view(_WIDE_DTYPES[nf4_values.dtype.itemsize])
+        lut = lut.view(-1) if lut.shape[-1] == 1 else lut
         _QUAD_LUTS[key] = lut
     return lut
 
 
 def _dequantize_scalers(weight: NF4Tensor) -> torch.Tensor:
+    # torchao's NF4Tensor.dequantize_scalers, op for op (same dtypes, same rounding).
     quantized = weight.quantized_scalers.view(-1, weight.scaler_block_size)
     scalers = (quantized / weight.quantization_factor.unsqueeze(-1)).flatten().to(weight.dtype)
     return scalers + weight.scaler_mean
@@ -126,22 +322,115 @@ def _dequantize_scalers(weight: NF4Tensor) -> torch.Tensor:
 def dequantize_nf4(weight: NF4Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Dequantizes an NF4Tensor; equal bit for bit to torchao's ``get_original_weight().to(dtype)``.
 
-    Every step runs in the NF4Tensor's own dtype as torchao's does (value = nf4_table[code] * block_scale), so
-    the results are identical; only the decoding is faster: a 65536-row table decodes two bytes at once.
+    Every value is computed as torchao computes it, ``nf4_table[code] * block_scale`` in the NF4Tensor's own
+    dtype, then cast to ``dtype``, so the results are identical. Only the decoding is faster: a 65536-entry table
+    turns each pair of packed bytes (four codes) into four values with one gather, and on CPU the work runs in
+    chunks written straight into the output (no full-size temporaries).
 
     Args:
-        weight (NF4Tensor): the quantized weight.
+        weight (NF4Tensor): the quantized weight (2-D, contiguous or transposed).
         dtype (Optional[torch.dtype]): output dtype; None keeps the NF4Tensor's dtype.
 
     Returns:
         torch.Tensor: dense weight of ``weight.shape`` in ``dtype``.
     """
+    out_dtype = dtype or weight.dtype
+    if not weight.is_contiguous():
+        return dequantize_nf4(weight.t(), dtype).t()
+    if weight.is_meta:
+        return torch.empty(weight.shape, dtype=out_dtype, device=weight.device)
+    out = torch.empty(weight.shape, dtype=out_dtype, device=weight.device)
+    _dequantize_into(weight, out.view(-1, weight.block_size))
+    return out
+
+
+def _dequantize_into(weight: NF4Tensor, out_blocks: torch.Tensor) -> None:
+    """Writes ``dequantize_nf4(weight)`` into ``out_blocks`` of shape ``(n_blocks, block_size)``."""
     scalers = _dequantize_scalers(weight)
-    # numel is a multiple of 64 * 256, so the packed bytes always pair up into int16s.
-    packed_pairs = weight.quantized_data.view(torch.int16).to(torch.int32) & 0xFFFF
-    quads = F.embedding(packed_pairs, _quad_lut(weight.nf4))
-    dense = (quads.view(-1, weight.block_size) * scalers.unsqueeze(-1)).view(weight.shape)
-    return dense if dtype is None or dtype == dense.dtype else dense.to(dtype)
+    # numel is a multiple of 64 * 256, so the packed bytes always pair up; block_size is a multiple of 4.
+    packed = weight.quantized_data.view(torch.uint16)
+    n_blocks, block_size = out_blocks.shape
+    quads = block_size // 4
+    chunk = n_blocks if weight.device.type != "cpu" else max(1, _CPU_CHUNK_NUMEL // block_size)
+    chunk = min(chunk, n_blocks)
+    staging = None
+    if out_blocks.dtype != weight.dtype:
+        staging = torch.empty(chunk, block_size, dtype=weight.dtype, device=weight.device)
+    for start in range(0, n_blocks, chunk):
+        stop = min(start + chunk, n_blocks)
+        values = out_blocks[start:stop] if staging is None else staging[: stop - start]
+        _decode_(weight, packed[start * quads : stop * quads], scalers[start:stop], values)
+        if staging is not None:
+            out_blocks[start:stop].copy_(values)
+
+
+def _decode_(weight: NF4Tensor, packed: torch.Tensor, scalers: torch.Tensor, out: torch.Tensor) -> None:
+    """Dequantizes a block-aligned piece of ``weight`` into ``out`` (contiguous, ``weight.dtype``).
+
+    Args:
+        weight (NF4Tensor): the weight the piece belongs to (for its NF4 table and block size).
+        packed (torch.Tensor): the piece's packed codes as uint16 (four codes each), any shape and strides.
+        scalers (torch.Tensor): its block scales, shaped like ``packed`` with ``block_size // 4`` times fewer
+            elements in the last dim.
+        out (torch.Tensor): ``packed.numel() * 4`` values, written in ``packed``'s logical order.
+    """
+    lut = _quad_lut(weight.nf4)
+    indices = packed.to(torch.int32).view(-1)
+    torch.index_select(lut, 0, indices, out=out.view(-1).view(lut.dtype).view(indices.numel(), *lut.shape[1:]))
+    out.view(*scalers.shape, weight.block_size).mul_(scalers.unsqueeze(-1))
+
+
+def _slab_plan(weight: NF4Tensor) -> Optional[Tuple[int, int]]:
+    """Rows per forward slab and columns per backward slab for the slab-wise CPU path, or None to use the whole
+    dequantized weight (accelerators, where the caching allocator makes it cheap; small or unaligned weights)."""
+    out_dim, in_dim = weight.shape
+    if weight.device.type != "cpu" or not weight.is_contiguous() or in_dim % weight.block_size != 0:
+        return None
+    if weight.numel() < 2 * _CPU_SLAB_NUMEL:
+        return None
+    rows = max(_MIN_SLAB_DIM, _CPU_SLAB_NUMEL // in_dim)
+    cols = max(_MIN_SLAB_DIM, _CPU_SLAB_NUMEL // out_dim) // weight.block_size * weight.block_size
+    return rows, cols
+
+
+def _slab_buffers(weight: NF4Tensor, shape: Tuple[int, int], dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    decoded = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+    return decoded, decoded if dtype == weight.dtype else torch.empty(shape, dtype=dtype, device=weight.device)
+
+
+def _linear_slabs(x: torch.Tensor, weight: NF4Tensor, rows: int) -> torch.Tensor:
+    """``x @ dequant(W).T`` in ``x.dtype``, a slab of ``rows`` rows of W at a time (never the whole dense W)."""
+    out_dim, in_dim = weight.shape
+    scalers = _dequantize_scalers(weight).view(out_dim, in_dim // weight.block_size)
+    packed = weight.quantized_data.view(torch.uint16).view(out_dim, in_dim // 4)
+    out = torch.empty(x.shape[0], out_dim, dtype=x.dtype, device=x.device)
+    decoded, slab = _slab_buffers(weight, (rows, in_dim), x.dtype)
+    for start in range(0, out_dim, rows):
+        stop = min(start + rows, out_dim)
+        _decode_(weight, packed[start:stop], scalers[start:stop], decoded[: stop - start])
+        if slab is not decoded:
+            slab[: stop - start].copy_(decoded[: stop - start])
+        torch.mm(x, slab[: stop - start].t(), out=out[:, start:stop])
+    return out
+
+
+def _grad_input_slabs(grad: torch.Tensor, weight: NF4Tensor, cols: int) -> torch.Tensor:
+    """``grad @ dequant(W)`` in ``grad.dtype``, a slab of ``cols`` columns of W at a time."""
+    out_dim, in_dim = weight.shape
+    block_size = weight.block_size
+    scalers = _dequantize_scalers(weight).view(out_dim, in_dim // block_size)
+    packed = weight.quantized_data.view(torch.uint16).view(out_dim, in_dim // 4)
+    grad_input = torch.empty(grad.shape[0], in_dim, dtype=grad.dtype, device=grad.device)
+    decoded, slab = _slab_buffers(weight, (out_dim * cols,), grad.dtype)
+    for start in range(0, in_dim, cols):
+        stop = min(start + cols, in_dim)
+        width = stop - start
+        piece = decoded[: out_dim * width].view(out_dim, width)
+        _decode_(weight, packed[:, start // 4 : stop // 4], scalers[:, start // block_size : stop // block_size], piece)
+        if slab is not decoded:
+            slab[: out_dim * width].copy_(decoded[: out_dim * width])
+        torch.mm(grad, slab[: out_dim * width].view(out_dim, width), out=grad_input[:, start:stop])
+    return grad_input
 
 
 def _compute_dtype(input: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -155,20 +444,32 @@ def _compute_dtype(input: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.d
 class LinearNF4(torch.autograd.Function):
     """``y = x @ dequant(W).T`` in an explicit compute dtype, saving only the NF4 weight for backward.
 
-    The weight is frozen, so backward needs no input: ``grad_input = grad_out @ dequant(W)``.
+    The weight is frozen, so backward needs no input: ``grad_input = grad_out @ dequant(W)``. On CPU, large
+    weights are dequantized a slab at a time into a reused buffer that the matmuls consume, so the whole dense
+    weight never exists and no fresh memory is faulted in per call (on accelerators, where the caching allocator
+    makes that free, it is dequantized whole, then freed).
     """
 
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, weight: NF4Tensor, dtype: torch.dtype) -> torch.Tensor:
         ctx.save_for_backward(weight)
         ctx.compute_dtype = dtype
-        return F.linear(input.to(dtype), dequantize_nf4(weight, dtype))
+        plan = _slab_plan(weight)
+        if plan is None:
+            return F.linear(input.to(dtype), dequantize_nf4(weight, dtype))
+        x = input.to(dtype).reshape(-1, weight.shape[1])
+        return _linear_slabs(x, weight, plan[0]).view(*input.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
         (weight,) = ctx.saved_tensors
         dtype = ctx.compute_dtype
-        return grad_output.to(dtype) @ dequantize_nf4(weight, dtype), None, None
+        plan = _slab_plan(weight)
+        if plan is None:
+            return grad_output.to(dtype) @ dequantize_nf4(weight, dtype), None, None
+        grad = grad_output.to(dtype).reshape(-1, weight.shape[0])
+        grad_input = _grad_input_slabs(grad, weight, plan[1])
+        return grad_input.view(*grad_output.shape[:-1], weight.shape[1]), None, None
 
 
 def linear_nf4(input: torch.Tensor, weight: NF4Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -189,6 +490,7 @@ def linear_nf4(input: torch.Tensor, weight: NF4Tensor, dtype: Optional[torch.dty
         >>> y.dtype
         torch.float32
     """
+    check_float_dtype(dtype)
     compute_dtype = _compute_dtype(input, dtype)
     with torch.autocast(input.device.type, enabled=False):
         return LinearNF4.apply(input, weight, compute_dtype)
@@ -241,9 +543,7 @@ class FrozenNF4Linear(nn.Linear):
         check_nf4_shape((out_dim, in_dim), block_size, scaler_block_size)
         super().__init__(in_dim, out_dim, bias=bias, device=device, dtype=dtype)
         self.compute_dtype = self.weight.dtype
-        self.weight = nn.Parameter(
-            to_nf4_frozen(self.weight, block_size, scaler_block_size), requires_grad=False
-        )
+        self.weight = nn.Parameter(to_nf4_frozen(self.weight, block_size, scaler_block_size), requires_grad=False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
         self.register_load_state_dict_pre_hook(_quantize_incoming_weight)

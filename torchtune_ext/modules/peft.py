@@ -20,6 +20,7 @@ from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
 from torchtune_ext.modules.low_precision import (
     _quantize_incoming_weight,
     check_float_dtype,
+    check_nf4_shape,
     dequantize_nf4,
     linear_nf4,
     to_nf4_frozen,
@@ -69,6 +70,8 @@ class LoRALinear(nn.Module, AdapterModule):
                 f"quantize_base is False, but received quantization arguments {quantization_kwargs}; "
                 "pass quantize_base=True or drop them."
             )
+        if quantize_base:
+            check_nf4_shape((out_dim, in_dim), **quantization_kwargs)
         self.in_dim = in_dim
         self.out_dim = out_dim
         self.rank = rank
@@ -168,9 +171,7 @@ class DoRALinear(LoRALinear):
             RuntimeError: if the base or adapter params are still on the meta device.
         """
         if any(p.is_meta for p in (self.weight, self.lora_a.weight, self.lora_b.weight)):
-            raise RuntimeError(
-                "Cannot initialize DoRA magnitude while base or LoRA params are on meta device."
-            )
+            raise RuntimeError("Cannot initialize DoRA magnitude while base or LoRA params are on meta device.")
         self.magnitude.copy_(self._merged_weight_norm(self.magnitude.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,203 @@
+"""Benchmark: peak host RSS and time to build a 1B-shaped QLoRA model and load its HF checkpoint, ours vs torchtune.
+
+A random-weight Llama-3.2-1B-shaped HF checkpoint (bf16, one 2.5 GB ``model.safetensors`` like the real one) is
+generated once, one tensor at a time, into ``--cache``. Then each loader runs in a fresh process:
+
+- ours: ``torchtune_ext.models.qlora_llama3_2_1b`` built on the meta device, then
+  ``QLoRAHFCheckpointer.load_base`` streams the file tensor by tensor, quantizing each frozen linear to NF4 as it
+  arrives (plus adapter init), as ``recipes/qlora_finetune_single_device.py`` does;
+- torchtune: the setup path of its ``lora_finetune_single_device`` recipe: ``FullModelHFCheckpointer
+  .load_checkpoint()`` (the whole state dict in memory), the model built on the CPU under the compute dtype
+  (``torchtune.models.llama3_2.qlora_llama3_2_1b``), then ``load_state_dict``.
+
+Both load the same LoRA config (rank 64 on q/v/output_proj + MLP, torchtune's 1B QLoRA config) in the same compute
+dtype. Reported: wall time, peak RSS above the process's RSS after imports (VmHWM reset through
+``/proc/self/clear_refs``), the loaded model's own size, ratios ours / torchtune, and, as a correctness check, the
+largest difference between the two models' logits on a short input (after the measurement). Run::
+
+    PYTHONPATH=. python bench/load.py [--dtypes bf16,fp32] [--cache /tmp/torchtune_ext_bench] [--notes FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA = dict(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=64,
+            lora_alpha=128)
+GIB = 1024**3
+MIB = 1024**2
+
+
+def _rss_status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+
+
+def _model_bytes(model) -> int:
+    from torchtune_ext._compat import NF4Tensor
+
+    total = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if isinstance(tensor, NF4Tensor):
+            total += sum(getattr(tensor, n).numel() * getattr(tensor, n).element_size()
+                         for n in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"))
+        else:
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def ensure_checkpoint(cache: Path) -> Path:
+    """Writes the random 1B-shaped checkpoint once (one tensor in memory at a time)."""
+    import torch
+    from torchtune.models.llama3_2 import llama3_2_1b
+    from torchtune.training import set_default_dtype
+
+    from torchtune_ext.training._checkpointing import write_random_hf_checkpoint
+    from torchtune_ext.training._hf import llama3_2_hf_config
+
+    path = cache / "llama3_2_1b_random_bf16"
+    if (path / "model.safetensors").is_file():
+        return path
+    print(f"writing a random Llama-3.2-1B-shaped checkpoint to {path} (once) ...", flush=True)
+    with set_default_dtype(torch.bfloat16), torch.device("meta"):
+        model = llama3_2_1b()
+    config = llama3_2_hf_config(vocab_size=128_256, num_layers=16, num_heads=32, num_kv_heads=8, embed_dim=2048,
+                                intermediate_dim=8192, max_seq_len=131072)
+    write_random_hf_checkpoint(path, model, "LLAMA3_2", config, dtype=torch.bfloat16, seed=0)
+    return path
+
+
+def worker(which: str, dtype_name: str, checkpoint: Path, out: Path) -> Dict[str, float]:
+    import torch
+    from torchtune import training
+
+    import torchtune_ext  # noqa: F401
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    torch.manual_seed(0)
+    if which == "ours":
+        from torchtune_ext.models import qlora_llama3_2_1b
+        from torchtune_ext.training._checkpointing import QLoRAHFCheckpointer, materialize_adapters_
+    else:
+        from torchtune.models.llama3_2 import qlora_llama3_2_1b as torchtune_qlora_llama3_2_1b
+        from torchtune.training import FullModelHFCheckpointer
+    baseline = _rss_status("VmRSS")
+    _reset_peak()
+    start = time.perf_counter()
+    if which == "ours":
+        model = qlora_llama3_2_1b(**LORA, dtype=dtype)
+        QLoRAHFCheckpointer(str(checkpoint), str(out), "LLAMA3_2").load_base(model, torch.device("cpu"))
+        materialize_adapters_(model, torch.device("cpu"))
+    else:
+        state = FullModelHFCheckpointer(str(checkpoint), ["model.safetensors"], "LLAMA3_2", str(out)).load_checkpoint()
+        with training.set_default_dtype(dtype), torch.device("cpu"):
+            model = torchtune_qlora_llama3_2_1b(**LORA)
+        model.load_state_dict(state[training.MODEL_KEY], strict=False)
+        del state
+    seconds = time.perf_counter() - start
+    peak = _rss_status("VmHWM") - baseline
+    with torch.no_grad():
+        logits = model(torch.arange(16).unsqueeze(0))[0, -1, :8].float().tolist()
+    return {"seconds": seconds, "peak_bytes": peak, "model_bytes": _model_bytes(model), "logits": logits}
+
+
+def _run_worker(which: str, dtype: str, checkpoint: Path, cache: Path) -> Dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, __file__, "--worker", which, "--dtypes", dtype, "--cache", str(cache)],
+        env=env, capture_output=True, text=True, check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{which} {dtype} failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def write_notes_section(path: Path, name: str, text: str) -> None:
+    """Replaces (or appends) the section between ``<!-- name -->`` markers in a markdown file."""
+    begin, end = f"<!-- {name} begin -->", f"<!-- {name} end -->"
+    old = path.read_text() if path.exists() else "# Recipe benchmarks (bench/recipe.py, bench/load.py)\n"
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    if begin in old and end in old:
+        new = old[: old.index(begin)] + block + old[old.index(end) + len(end) + 1:]
+    else:
+        new = old.rstrip() + "\n\n" + block
+    path.write_text(new)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--cache", default="/tmp/torchtune_ext_bench")
+    parser.add_argument("--notes", default="/work/notes/bench_recipe.md", help="markdown file for the results")
+    parser.add_argument("--worker", choices=["ours", "torchtune"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    cache = Path(args.cache)
+    if args.worker:
+        result = worker(args.worker, args.dtypes, cache / "llama3_2_1b_random_bf16", cache / f"out_{args.worker}")
+        print(json.dumps(result))
+        return
+
+    checkpoint = ensure_checkpoint(cache)
+    size = (checkpoint / "model.safetensors").stat().st_size
+    rows = []
+    for dtype in args.dtypes.split(","):
+        ours = _run_worker("ours", dtype, checkpoint, cache)
+        theirs = _run_worker("torchtune", dtype, checkpoint, cache)
+        max_logit_diff = max(abs(a - b) for a, b in zip(ours["logits"], theirs["logits"]))
+        rows.append((dtype, ours, theirs, max_logit_diff))
+        print(f"{dtype}: ours {ours['seconds']:.1f} s, peak +{ours['peak_bytes'] / GIB:.2f} GiB (model "
+              f"{ours['model_bytes'] / GIB:.2f} GiB) | torchtune {theirs['seconds']:.1f} s, peak "
+              f"+{theirs['peak_bytes'] / GIB:.2f} GiB (model {theirs['model_bytes'] / GIB:.2f} GiB) | time ratio "
+              f"{ours['seconds'] / theirs['seconds']:.3f}x, peak ratio {ours['peak_bytes'] / theirs['peak_bytes']:.3f}x"
+              f" | logits max diff {max_logit_diff:.2e}", flush=True)
+
+    load = os.getloadavg()
+    lines = [
+        "## bench/load.py — build + load a Llama-3.2-1B-shaped QLoRA model from its HF checkpoint",
+        "",
+        f"Checkpoint: random weights, bf16, one model.safetensors of {size / GIB:.2f} GiB (largest tensor: the "
+        f"128256x2048 embedding, {128256 * 2048 * 2 / MIB:.0f} MiB in bf16). LoRA rank 64 on q/v/output_proj + MLP. "
+        "Peak = peak RSS above the RSS after imports. Machine: "
+        f"{platform.machine()}, {os.cpu_count()} CPU cores (load average {load[0]:.1f} at the end), torch "
+        f"{__import__('torch').__version__}, torchtune 0.6.1. Date: {datetime.date.today()}. Command: "
+        f"`PYTHONPATH=. python bench/load.py --dtypes {args.dtypes}`.",
+        "",
+        "| compute dtype | ours: time / peak RSS / model | torchtune recipe setup: time / peak RSS / model | "
+        "time ratio | peak RSS ratio (goal <= 0.2x) | logits max diff |",
+        "|---|---|---|---|---|---|",
+    ]
+    for dtype, ours, theirs, diff in rows:
+        lines.append(
+            f"| {dtype} | {ours['seconds']:.1f} s / {ours['peak_bytes'] / GIB:.2f} GiB / "
+            f"{ours['model_bytes'] / GIB:.2f} GiB | {theirs['seconds']:.1f} s / {theirs['peak_bytes'] / GIB:.2f} GiB /"
+            f" {theirs['model_bytes'] / GIB:.2f} GiB | {ours['seconds'] / theirs['seconds']:.3f}x | "
+            f"{ours['peak_bytes'] / theirs['peak_bytes']:.3f}x | {diff:.1e} |"
+        )
+    write_notes_section(Path(args.notes), "bench/load.py", "\n".join(lines))
+    print(f"rows written to {args.notes}")
+
+
+if __name__ == "__main__":
+    main()

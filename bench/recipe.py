@@ -1,0 +1,199 @@
+"""Benchmark: our single-device QLoRA recipe vs torchtune's ``lora_finetune_single_device``: tokens/s and peak memory.
+
+Both recipes train the same tiny Llama-style model (``configs/tiny/qlora_single_device.yaml``: its generated HF
+checkpoint, tokenizer, data and LoRA settings; torchtune gets ``torchtune_ext.models.lora_tiny_llama`` with
+``quantize_base=True`` and its own ``FullModelHFCheckpointer``) for the same steps, each in a fresh process, in
+fp32 and bf16 (torchtune's recipe rejects fp16). Reported: tokens/s = median over the steps after a warm-up of
+(label tokens / step wall time), the definition both recipes log; the runs alternate ours / torchtune
+``--repeats`` times and the best run of each counts (the machine is shared, so the slower runs measure other
+jobs). Peak memory: CUDA peak allocated, or on CPU the process's peak RSS; ratios ours / torchtune. Both runs see
+identical batches; their first-step losses are printed side by side as a sanity check. Run::
+
+    PYTHONPATH=. python bench/recipe.py [--device cpu|cuda] [--dtypes fp32,bf16] [--steps 60] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "tiny" / "qlora_single_device.yaml"
+GIB = 1024**3
+WARMUP_STEPS = 5
+
+sys.path.insert(0, str(ROOT / "bench"))
+from load import write_notes_section  # noqa: E402
+
+
+class _Capture:
+    """Metric logger keeping every logged dict (instantiated by dotted path from the config)."""
+
+    rows: List[Dict[str, float]] = []
+
+    def __init__(self, **kwargs):
+        type(self).rows = []
+
+    def log_config(self, config):
+        pass
+
+    def log_dict(self, payload, step):
+        type(self).rows.append({k: float(v) for k, v in payload.items()})
+
+    def log(self, name, data, step):
+        pass
+
+    def close(self):
+        pass
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _config(which: str, dtype: str, device: str, steps: int, base: Path, out: Path):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(CONFIG)
+    cfg.output_dir = str(out)
+    cfg.checkpointer.checkpoint_dir = str(base)
+    cfg.checkpointer.output_dir = str(out)
+    cfg.dtype, cfg.device, cfg.max_steps_per_epoch = dtype, device, steps
+    cfg.metric_logger = {"_component_": "__main__._Capture"}
+    cfg.save_adapter_weights_only = True
+    for key in ("generate_base_checkpoint", "dataset_val", "run_val_every_n_steps", "max_validation_steps"):
+        cfg.pop(key, None)
+    if which == "torchtune":
+        cfg.model._component_ = "torchtune_ext.models.lora_tiny_llama"
+        cfg.model.quantize_base = True
+        cfg.checkpointer._component_ = "torchtune.training.FullModelHFCheckpointer"
+        cfg.log_peak_memory_stats = device != "cpu"
+        cfg.enable_activation_offloading = False
+    return cfg
+
+
+def worker(which: str, dtype: str, device: str, steps: int, base: Path) -> Dict[str, float]:
+    import resource
+
+    import torch
+    import torchtune
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as out:
+        cfg = _config(which, dtype, device, steps, base, Path(out))
+        if which == "ours":
+            module = _load(ROOT / "recipes" / "qlora_finetune_single_device.py", "ours")
+            recipe = module.QLoRAFinetuneRecipeSingleDevice(cfg)
+        else:
+            path = Path(torchtune.__file__).parent.parent / "recipes" / "lora_finetune_single_device.py"
+            recipe = _load(path, "theirs").LoRAFinetuneRecipeSingleDevice(cfg)
+        recipe.setup(cfg)
+        recipe.train()
+        recipe.cleanup()
+    rows = _Capture.rows
+    key = "tokens_per_second" if which == "ours" else "tokens_per_second_per_gpu"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    return {
+        "tokens_per_second": statistics.median(r[key] for r in rows[WARMUP_STEPS:]),
+        "peak_bytes": peak,
+        "first_loss": rows[0]["loss"],
+        "steps": len(rows),
+    }
+
+
+def _run_worker(which: str, dtype: str, device: str, steps: int, base: Path) -> Dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, __file__, "--worker", which, "--dtypes", dtype, "--device", device, "--steps", str(steps),
+           "--base", str(base)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{which} {dtype} failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--base", default="/tmp/torchtune_ext_bench/tiny_base")
+    parser.add_argument("--notes", default="/work/notes/bench_recipe.md", help="markdown file for the results")
+    parser.add_argument("--worker", choices=["ours", "torchtune"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        result = worker(args.worker, args.dtypes, args.device, args.steps, Path(args.base))
+        print(json.dumps(result))
+        return
+
+    from torchtune_ext.data import write_tiny_checkpoint
+
+    base = write_tiny_checkpoint(args.base)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        results = {"ours": [], "torchtune": []}
+        for _ in range(args.repeats):
+            for which in results:
+                results[which].append(_run_worker(which, dtype, args.device, args.steps, base))
+        ours, theirs = (max(results[w], key=lambda r: r["tokens_per_second"]) for w in ("ours", "torchtune"))
+        for which, best in (("ours", ours), ("torchtune", theirs)):
+            best["all_tokens_per_second"] = [round(r["tokens_per_second"]) for r in results[which]]
+            best["peak_bytes"] = max(r["peak_bytes"] for r in results[which])
+        rows.append((dtype, ours, theirs))
+        print(f"{dtype}: ours {ours['all_tokens_per_second']} tok/s, torchtune {theirs['all_tokens_per_second']}")
+        print(f"{dtype}: ours {ours['tokens_per_second']:.0f} tok/s, peak {ours['peak_bytes'] / GIB:.2f} GiB | "
+              f"torchtune {theirs['tokens_per_second']:.0f} tok/s, peak {theirs['peak_bytes'] / GIB:.2f} GiB | "
+              f"tok/s ratio {ours['tokens_per_second'] / theirs['tokens_per_second']:.2f}x, peak ratio "
+              f"{ours['peak_bytes'] / theirs['peak_bytes']:.2f}x | first loss {ours['first_loss']:.4f} vs "
+              f"{theirs['first_loss']:.4f}", flush=True)
+
+    memory = "CUDA peak allocated" if args.device == "cuda" else "peak RSS of the process"
+    load = os.getloadavg()
+    import torch
+
+    lines = [
+        "## bench/recipe.py — recipe throughput and peak memory, ours vs torchtune's lora_finetune_single_device",
+        "",
+        f"Tiny default config (2 layers, dim 256, vocab 512, LoRA rank 16 on q/k/v/output_proj + MLP, batch 16, "
+        f"~16 tokens/sample), {args.steps} steps, tokens/s = median over steps {WARMUP_STEPS + 1}..{args.steps} "
+        f"(label tokens / step time), best of {args.repeats} alternating runs (all runs in brackets). Peak = "
+        f"{memory} (max over runs). Device {args.device}; machine {platform.machine()}, "
+        f"{os.cpu_count()} CPU cores shared with other jobs (load average {load[0]:.1f} at the end), torch "
+        f"{torch.__version__}, torchtune 0.6.1. Date: {datetime.date.today()}. Command: "
+        f"`PYTHONPATH=. python bench/recipe.py --device {args.device} --dtypes {args.dtypes} --steps {args.steps} "
+        f"--repeats {args.repeats}`.",
+        "",
+        "| dtype | ours tok/s | torchtune tok/s | tok/s ratio (goal >= 1.0x) | ours peak | torchtune peak | "
+        "peak ratio (goal <= 1.0x) | first loss ours / torchtune |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for dtype, ours, theirs in rows:
+        lines.append(
+            f"| {dtype} | {ours['tokens_per_second']:.0f} {ours['all_tokens_per_second']} | "
+            f"{theirs['tokens_per_second']:.0f} {theirs['all_tokens_per_second']} | "
+            f"{ours['tokens_per_second'] / theirs['tokens_per_second']:.2f}x | {ours['peak_bytes'] / GIB:.3f} GiB | "
+            f"{theirs['peak_bytes'] / GIB:.3f} GiB | {ours['peak_bytes'] / theirs['peak_bytes']:.2f}x | "
+            f"{ours['first_loss']:.4f} / {theirs['first_loss']:.4f} |"
+        )
+    write_notes_section(Path(args.notes), f"bench/recipe.py {args.device}", "\n".join(lines))
+    print(f"rows written to {args.notes}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,894 @@
+"""QLoRA fine-tuning on many devices with FSDP2 (NCCL on GPUs, gloo on CPUs), in an fp32, bf16 or fp16 compute dtype.
+
+Run from a clone::
+
+    tune run --nproc_per_node 2 recipes/qlora_finetune_distributed.py --config configs/tiny/qlora_distributed.yaml
+    tune run --nproc_per_node 8 recipes/qlora_finetune_distributed.py --config configs/llama3_1/8B_qlora.yaml
+    # multi-node: torchrun's usual flags, e.g. --nnodes 2 --rdzv_backend c10d --rdzv_endpoint host:29500
+
+Same config keys, logs and checkpoints as ``recipes/qlora_finetune_single_device.py`` (switching recipes is the
+file name plus ``--nproc_per_node``), with these additions:
+
+- FSDP2 (``fully_shard``) per decoder layer, params all-gathered in the compute ``dtype`` and gradients reduced in
+  fp32; the backend follows the device. ``fsdp_cpu_offload`` (accelerators only), ``fsdp_reshard_after_forward``.
+- ``batch_size`` is per rank, as in torchtune; ``global_batch_size`` (optional) sets samples per micro-batch over
+  all ranks instead and must be a multiple of the world size. The loss is normalised by the global number of
+  label tokens of the step (all ranks, all accumulated micro-batches): a step on N ranks equals a single-device
+  step on the same global batch.
+- fp16: fp32 master adapters and dynamic loss scaling, with the overflow check all-reduced so that every rank skips
+  the same steps.
+- Loading: the model is built on the meta device and sharded; rank 0 streams the HF checkpoint in ~1 GB chunks and
+  each rank quantizes only its own shard of every NF4 weight (``load_full_state_dict``).
+- ``vocab_pruning``: train over the token ids the data uses (or a kept-ids file); the pruned embedding/output rows
+  train in fp32, ``sharding: sharded`` (their own FSDP unit, fp32 params and reduce dtype; batches are right-padded
+  to a multiple of the loss's output chunks so that every rank calls the unit equally often) or ``replicated``
+  (every rank holds them, gradients all-reduced in fp32). The merged checkpoint is exported with the full
+  vocabulary (trained rows in place, the base's elsewhere); the PEFT adapter holds the LoRA weights only.
+- Logs (rank 0): loss, lr, tokens/s (global and per rank), grad norm, loss scale and skipped steps (fp16), memory
+  of every rank (``peak_rss/rank<r>``, and CUDA peaks on GPUs).
+- Saving gathers adapters only (``get_full_state_dict(adapter_weights_only=True)``) unless the merged model is
+  written; the recipe state holds the full (unsharded) optimizer state, so a run can resume on another world size.
+- ``process_group_timeout_s``: how long a rank waits for the others before failing (no silent hang).
+"""
+
+import math
+import os
+import random
+import sys
+import time
+from functools import partial
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, ListConfig
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtune import config, modules, training, utils
+from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import ConcatDataset
+from torchtune.modules.peft import get_adapter_params, get_lora_module_names, set_trainable_params
+from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
+from torchtune.recipe_interfaces import FTRecipeInterface
+from tqdm import tqdm
+
+import torchtune_ext  # noqa: F401  (registers the NF4 ops current PyTorch needs)
+from torchtune_ext.modules.low_precision import dequantize_nf4
+from torchtune_ext.modules.peft import DoRALinear, LoRALinear
+from torchtune_ext.modules.vocab_pruning import (
+    collect_token_ids,
+    export_full_vocab_state_dict,
+    load_kept_ids,
+    prune_state_dict,
+    prune_vocab_,
+    validate_kept_ids,
+)
+from torchtune_ext.training import _safetensors
+from torchtune_ext.training._checkpointing import QLoRAHFCheckpointer
+from torchtune_ext.training._distributed import (
+    VOCAB_PRUNING_SHARDING,
+    DistributedLossScaler,
+    GatheredModelView,
+    all_reduce_grads,
+    all_reduce_sum,
+    check_dataset_size,
+    check_fsdp_cpu_offload,
+    clip_grad_norm_,
+    destroy_distributed,
+    gather_memory_stats,
+    init_distributed,
+    launched_world_size,
+    per_rank_batch_size,
+    replicated_params,
+    shard_model,
+)
+from torchtune_ext.training._hf import HFConverter
+from torchtune_ext.training._metrics import Throughput, format_memory_stats
+from torchtune_ext.training._precision import check_param_dtypes, default_adapter_dtype, parse_dtype
+from torchtune_ext.training._state_dict import get_full_state_dict
+from torchtune_ext.training._state_dict_load import load_full_state_dict
+from torchtune_ext.training._state_dict_utils import unwrap_key
+
+log = utils.get_logger("INFO")
+
+#: state-dict keys of the base model that vocab pruning replaces.
+_VOCAB_KEYS = ("tok_embeddings.weight", "output.")
+#: rank 0 reads the base checkpoint in chunks of about this many bytes.
+_LOAD_CHUNK_BYTES = 1 << 30
+
+
+def _positive_int(cfg: DictConfig, key: str, default: Optional[int]) -> Optional[int]:
+    value = cfg.get(key, default)
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{key}={value!r} must be a positive integer{' or null' if default is None else ''}.")
+    return value
+
+
+def _is_vocab_key(key: str) -> bool:
+    return key == _VOCAB_KEYS[0] or key.startswith(_VOCAB_KEYS[1])
+
+
+class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
+    """QLoRA fine-tuning recipe on FSDP2; see the module docstring for the features.
+
+    Args:
+        cfg (DictConfig): the parsed config.
+
+    Raises:
+        RuntimeError: if not started by a distributed launcher, or bf16 where the device lacks it.
+        ValueError: on an unknown dtype, invalid numeric settings, ``fsdp_cpu_offload`` on the CPU, a
+            ``global_batch_size`` that does not split over the ranks, or an invalid ``vocab_pruning`` section.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.world_size = launched_world_size()
+        self.rank = int(os.environ["RANK"])
+        self._is_rank_zero = self.rank == 0
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = parse_dtype(cfg.dtype, self._device)
+        self._adapter_dtype = default_adapter_dtype(self._dtype, cfg.get("adapter_dtype", None))
+        self._fsdp_cpu_offload = bool(cfg.get("fsdp_cpu_offload", False))
+        check_fsdp_cpu_offload(self._fsdp_cpu_offload, self._device, self.world_size)
+        self._reshard_after_forward = bool(cfg.get("fsdp_reshard_after_forward", True))
+        self._process_group_timeout_s = cfg.get("process_group_timeout_s", 1800)
+
+        self._output_dir = cfg.output_dir
+        self._log_every_n_steps = _positive_int(cfg, "log_every_n_steps", 1)
+        self._gradient_accumulation_steps = _positive_int(cfg, "gradient_accumulation_steps", 1)
+        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self._batch_size = per_rank_batch_size(
+            _positive_int(cfg, "batch_size", 1), _positive_int(cfg, "global_batch_size", None), self.world_size
+        )
+        self.total_epochs = _positive_int(cfg, "epochs", 1)
+        self.max_steps_per_epoch = _positive_int(cfg, "max_steps_per_epoch", None)
+        self._stop_after_step = _positive_int(cfg, "stop_after_step", None)
+        self._save_every_n_steps = _positive_int(cfg, "save_every_n_steps", None)
+        self._run_val_every_n_steps = _positive_int(cfg, "run_val_every_n_steps", None)
+        self._max_validation_steps = _positive_int(cfg, "max_validation_steps", None)
+        self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
+        self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
+        self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
+        self._compile = cfg.get("compile", False)
+        if cfg.get("enable_activation_offloading", False):
+            raise ValueError(
+                "enable_activation_offloading is not supported by this recipe; use "
+                "enable_activation_checkpointing=True to save activation memory."
+            )
+        self._vocab_pruning_cfg = self._parse_vocab_pruning(cfg.get("vocab_pruning", None))
+
+        self.seed: Optional[int] = None
+        self.epochs_run = 0
+        self.global_step = 0
+        self._steps_in_epoch_done = 0
+        self.loss_history: list = []
+        self._pruning = None
+        self._kept_ids: Optional[List[int]] = None
+
+    def _set_seed(self, cfg: DictConfig) -> None:
+        """Seeds every rank with the same seed (torchtune's ``set_seed`` agrees on it across ranks), so all ranks
+        draw the same initial adapters as the single-device recipe; ranks > 0 get their own streams (dropout)
+        once the model is initialised."""
+        self.seed = training.set_seed(seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None))
+        torch.manual_seed(self.seed)
+        random.seed(self.seed)
+        np.random.seed(self.seed)
+
+    @staticmethod
+    def _parse_vocab_pruning(section: Optional[DictConfig]) -> Optional[Dict[str, Any]]:
+        if section is None or not section.get("enabled", True):
+            return None
+        known = {"enabled", "kept_ids", "dtype", "sharding", "unknown_token_id", "trainable"}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ValueError(f"vocab_pruning has unknown key(s) {unknown}; known keys: {sorted(known)}.")
+        sharding = section.get("sharding", "sharded")
+        if sharding not in VOCAB_PRUNING_SHARDING:
+            raise ValueError(
+                f"vocab_pruning.sharding={sharding!r} is not supported; use one of {list(VOCAB_PRUNING_SHARDING)}."
+            )
+        return {
+            "kept_ids": section.get("kept_ids", None),
+            "dtype": parse_dtype(section.get("dtype", "fp32"), torch.device("cpu"), "vocab_pruning.dtype"),
+            "sharding": sharding,
+            "unknown_token_id": section.get("unknown_token_id", None),
+            "trainable": bool(section.get("trainable", True)),
+        }
+
+    # ---------------------------------------------------------------------------------------------------- setup
+
+    def setup(self, cfg: DictConfig) -> None:
+        """Validates everything that can be checked cheaply, then builds, shards and loads the model, data and
+        optimizer. Collective: every rank calls it. Nothing is written under ``output_dir`` before the config has
+        been validated.
+        """
+        self._set_seed(cfg)
+        if cfg.get("generate_base_checkpoint", None) is not None:
+            if self._is_rank_zero:
+                config.instantiate(cfg.generate_base_checkpoint)
+            dist.barrier()
+        self._checkpointer: QLoRAHFCheckpointer = config.instantiate(cfg.checkpointer)
+        self._model = self._build_model(cfg.model)
+        self._checkpointer.validate(self._model)
+        self._converter = HFConverter.for_model(self._checkpointer.model_type, self._model)
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._loss_fn = config.instantiate(cfg.loss)
+        dataset = self._build_dataset(cfg.dataset)
+        check_dataset_size(len(dataset), self._batch_size, self.world_size)
+        val_cfg = cfg.get("dataset_val", None)
+        val_dataset = self._build_dataset(val_cfg) if val_cfg is not None else None
+        if val_dataset is not None:
+            check_dataset_size(len(val_dataset), self._batch_size, self.world_size)
+        if self._vocab_pruning_cfg is not None:
+            self._kept_ids = self._resolve_kept_ids(dataset, val_dataset)
+        state = self._checkpointer.load_recipe_state() if self._resume_from_checkpoint else None
+        if state is not None:
+            self._check_recipe_state(state)
+
+        # From here on, outputs are written.
+        if self._is_rank_zero:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
+
+        self._load_model(state)
+        self._optimizer = config.instantiate(cfg.optimizer, self._trainable_params)
+        self._loss_scaler = DistributedLossScaler(
+            enabled=self._dtype == torch.float16, device=self._device, **cfg.get("loss_scaler", {})
+        )
+        if self._compile:
+            self._loss_fn = training.compile_loss(self._loss_fn)
+        self._pad_to_multiple = None
+        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+            if self._pruning is not None and self._vocab_pruning_cfg["sharding"] == "sharded":
+                # The output is projected chunk by chunk, each chunk a call of the pruning module's own FSDP unit
+                # (an all-gather): every rank must make the same number of calls, whatever its sequence length.
+                self._pad_to_multiple = self._loss_fn.num_output_chunks
+
+        collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
+        self._sampler, self._dataloader = self._setup_data(
+            dataset, cfg.dataset, shuffle=cfg.shuffle, collate_fn=collate_fn, drop_last=True
+        )
+        self._val_dataloader = None
+        if val_dataset is not None:
+            self._val_dataloader = self._setup_data(
+                val_dataset, val_cfg, shuffle=False, collate_fn=collate_fn, drop_last=False
+            )[1]
+
+        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
+        if self.max_steps_per_epoch is not None:
+            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
+        if self._steps_per_epoch == 0:
+            raise ValueError(
+                f"The data set gives {len(self._dataloader)} batches per rank, fewer than "
+                f"gradient_accumulation_steps={self._gradient_accumulation_steps}: lower batch_size, "
+                "gradient_accumulation_steps or --nproc_per_node."
+            )
+        if state is not None:
+            self._load_optimizer_state(state["optimizer"])
+            self._loss_scaler.load_state_dict(state["loss_scaler"])
+            if state["dataloader"] is not None:
+                self._dataloader.load_state_dict(state["dataloader"])
+        self._lr_scheduler = config.instantiate(
+            cfg.lr_scheduler, self._optimizer,
+            num_training_steps=self.total_epochs * self._steps_per_epoch, last_epoch=self.global_step - 1,
+        )
+        if state is not None:
+            self._lr_scheduler.load_state_dict(state["lr_scheduler"])
+            rng = state.get("rng_per_rank")
+            self._set_rng_state(rng[self.rank] if rng and len(rng) == self.world_size else state["rng"])
+
+        self._ignore_labels_cache = torch.full(
+            (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
+        )
+        memory = gather_memory_stats(self._device)
+        utils.log_rank_zero(log, f"Memory after setup: {format_memory_stats(memory)}")
+
+    def _build_model(self, cfg_model: DictConfig) -> nn.Module:
+        """Builds the QLoRA model on the meta device (no memory); shape errors (NF4) surface here."""
+        self._lora_rank = cfg_model.lora_rank
+        self._lora_alpha = cfg_model.lora_alpha
+        self._lora_dropout = cfg_model.get("lora_dropout", 0.0)
+        self._use_dora = cfg_model.get("use_dora", False)
+        self._lora_attn_modules = list(cfg_model.lora_attn_modules)
+        self._apply_lora_to_mlp = cfg_model.get("apply_lora_to_mlp", False)
+        self._apply_lora_to_output = cfg_model.get("apply_lora_to_output", False)
+        try:
+            return config.instantiate(
+                cfg_model, dtype=self._dtype, adapter_dtype=self._adapter_dtype, device="meta"
+            )
+        except TypeError as err:
+            if "dtype" not in str(err) and "device" not in str(err):
+                raise
+            raise ValueError(
+                f"model._component_={cfg_model._component_} is not a torchtune_ext QLoRA builder (it does not take "
+                "dtype/adapter_dtype/device); use e.g. torchtune_ext.models.qlora_llama3_1_8b."
+            ) from err
+
+    def _build_dataset(self, cfg_dataset: Any):
+        if isinstance(cfg_dataset, ListConfig):
+            return ConcatDataset(datasets=[config.instantiate(c, self._tokenizer) for c in cfg_dataset])
+        return config.instantiate(cfg_dataset, self._tokenizer)
+
+    def _resolve_kept_ids(self, dataset, val_dataset) -> List[int]:
+        """The kept token ids: from ``vocab_pruning.kept_ids`` (a file), else every id the data uses plus the
+        tokenizer's special ids. Every rank computes the same list (no collective before the model exists)."""
+        vocab_size = self._model.tok_embeddings.num_embeddings
+        source = self._vocab_pruning_cfg["kept_ids"]
+        if source is not None:
+            ids = load_kept_ids(source, vocab_size=vocab_size)
+        else:
+            special = [getattr(self._tokenizer, name, None) for name in ("bos_id", "eos_id", "pad_id")]
+            data = list(dataset) + (list(val_dataset) if val_dataset is not None else [])
+            ids = collect_token_ids(data, always_keep=special, vocab_size=vocab_size)
+        validate_kept_ids(ids, vocab_size)
+        utils.log_rank_zero(log, f"Vocab pruning: keeping {len(ids)} of {vocab_size} token ids.")
+        return list(ids)
+
+    def _check_recipe_state(self, state: Dict[str, Any]) -> None:
+        if state["dtype"] != str(self._dtype):
+            raise ValueError(
+                f"The recipe state was saved with dtype {state['dtype']} but this run uses {self._dtype}; "
+                "resume with the same dtype."
+            )
+        if state["seed"] != self.seed:
+            utils.log_rank_zero(log, f"Config seed {self.seed} differs from the checkpoint's; using {state['seed']}.")
+            self.seed = state["seed"]
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.world_size and state["dataloader"] is not None:
+            utils.log_rank_zero(
+                log,
+                f"The recipe state was saved with {saved_world} rank(s), this run has {self.world_size}: the data "
+                "position within the epoch is kept but the samples each rank sees differ from an uninterrupted run.",
+            )
+        saved_ids = state.get("kept_ids")
+        if saved_ids != self._kept_ids:
+            raise ValueError(
+                "The recipe state's vocab pruning (kept token ids) differs from this run's; resume with the same "
+                "vocab_pruning settings and data."
+            )
+        self.epochs_run = state["epochs_run"]
+        self.global_step = state["global_step"]
+        self._steps_in_epoch_done = state["steps_in_epoch_done"]
+        self.max_steps_per_epoch = state["max_steps_per_epoch"]
+
+    # ------------------------------------------------------------------------------------------------- model
+
+    def _load_model(self, state: Optional[Dict[str, Any]]) -> None:
+        """Prunes (meta), marks trainable params, wraps, shards, then loads base weights and adapters."""
+        start = time.perf_counter()
+        model = self._model
+        pruning_cfg = self._vocab_pruning_cfg
+        if pruning_cfg is not None:
+            self._pruning = prune_vocab_(
+                model, self._kept_ids, dtype=pruning_cfg["dtype"], unknown_token_id=pruning_cfg["unknown_token_id"],
+                trainable=pruning_cfg["trainable"],
+            )
+        set_trainable_params(model, get_adapter_params(model))
+        if self._enable_activation_checkpointing:
+            training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        if self._compile:
+            training.compile_model(model, verbose=self._is_rank_zero)
+        shard_model(
+            model,
+            dtype=self._dtype,
+            vocab_pruning=self._pruning,
+            vocab_pruning_sharding=pruning_cfg["sharding"] if pruning_cfg is not None else "sharded",
+            reshard_after_forward=self._reshard_after_forward,
+            cpu_offload=self._fsdp_cpu_offload,
+        )
+        self._load_base()
+        self._init_adapters(state["adapter"] if state is not None else None)
+        training.validate_no_params_on_meta_device(model)
+
+        self._adapter_keys = [unwrap_key(model, name) for name in get_adapter_params(model)]
+        # The single-device recipe's optimizer order (get_adapter_params), so recipe states are interchangeable.
+        self._trainable_params = [p for p in get_adapter_params(model).values() if p.requires_grad]
+        self._replicated_params = replicated_params(model)
+        adapter_params = {k: p for k, p in zip(self._adapter_keys, get_adapter_params(model).values())}
+        # LoRA/DoRA params in the adapter dtype; a pruned output's live in the vocab-pruning dtype.
+        lora_params = {k: p for k, p in adapter_params.items()
+                       if ("lora" in k or "magnitude" in k) and not k.startswith("tok_embeddings.")}
+        check_param_dtypes(lora_params.items(), self._adapter_dtype, "adapter")
+        if self.rank > 0:
+            # Own RNG streams per rank from here on (dropout), as torchtune's seed + rank.
+            torch.manual_seed(self.seed + self.rank)
+            random.seed(self.seed + self.rank)
+            np.random.seed(self.seed + self.rank)
+        utils.log_rank_zero(
+            log,
+            f"Loaded {self._checkpointer.checkpoint_dir} into NF4 on {self.world_size} ranks in "
+            f"{time.perf_counter() - start:.1f} s: compute dtype {self._dtype}, adapters {self._adapter_dtype}, "
+            f"device {self._device}"
+            + (f", vocab pruning {pruning_cfg['sharding']} in {pruning_cfg['dtype']}" if pruning_cfg else "")
+            + ".",
+        )
+
+    def _load(self, state_dict: Optional[Dict[str, torch.Tensor]], broadcast_from_rank0: bool) -> None:
+        """``load_full_state_dict`` onto the training device; with FSDP CPU offload, sharded params go to the host
+        (FSDP moves them to the device for compute) and unsharded ones (a replicated vocab-pruning module) to the
+        device."""
+        if not self._fsdp_cpu_offload:
+            load_full_state_dict(self._model, state_dict, device=self._device, strict=False,
+                                 broadcast_from_rank0=broadcast_from_rank0)
+            return
+        sharded_keys = {unwrap_key(self._model, k) for k, v in self._model.state_dict(keep_vars=True).items()
+                        if isinstance(v, DTensor)}
+        for keep_sharded, device in ((True, torch.device("cpu")), (False, self._device)):
+            part = None if state_dict is None else \
+                {k: v for k, v in state_dict.items() if (k in sharded_keys) == keep_sharded}
+            load_full_state_dict(self._model, part, device=device, strict=False,
+                                 broadcast_from_rank0=broadcast_from_rank0)
+
+    def _load_chunks(self) -> List[Tuple[Any, int]]:
+        """The loading plan, the same on every rank (from the files' headers): ``(file, tensor count)`` per chunk of
+        consecutive tensors of at most ``_LOAD_CHUNK_BYTES`` (a bigger tensor is a chunk of its own)."""
+        plan = []
+        for path in self._checkpointer.checkpoint_paths:
+            header = _safetensors.read_header(path)
+            count = size = 0
+            for info in sorted(header.values(), key=lambda info: info["data_offsets"][0]):
+                nbytes = info["data_offsets"][1] - info["data_offsets"][0]
+                if count and size + nbytes > _LOAD_CHUNK_BYTES:
+                    plan.append((path, count))
+                    count = size = 0
+                count, size = count + 1, size + nbytes
+            if count:
+                plan.append((path, count))
+        return plan
+
+    def _read_chunks(self, plan: List[Tuple[Any, int]]) -> Iterator[Dict[str, torch.Tensor]]:
+        """Rank 0: yields each chunk of the plan as a torchtune-key state dict, reading one tensor at a time."""
+        tensors = None
+        current = None
+        for path, count in plan:
+            if path != current:
+                tensors, current = _safetensors.iter_tensors(path), path
+            state = {}
+            for _ in range(count):
+                converted = self._converter.to_tune(*next(tensors))
+                if converted is not None:
+                    state[converted[0]] = converted[1]
+            yield state
+
+    @torch.no_grad()
+    def _load_base(self) -> None:
+        """Rank 0 streams the checkpoint in chunks of about ``_LOAD_CHUNK_BYTES`` and sends each tensor; every rank
+        quantizes its own shard. Host memory: one chunk on rank 0, one tensor on the others."""
+        plan = self._load_chunks()
+        chunks = self._read_chunks(plan) if self._is_rank_zero else (None for _ in plan)
+        vocab: Dict[str, torch.Tensor] = {}
+        for state in chunks:
+            if state is not None and self._pruning is not None:
+                vocab.update({k: state.pop(k) for k in list(state) if _is_vocab_key(k)})
+            self._load(state, broadcast_from_rank0=True)
+            del state
+        if self._pruning is not None:
+            pruned = prune_state_dict(vocab, self._kept_ids, dtype=self._vocab_pruning_cfg["dtype"]) \
+                if self._is_rank_zero else None
+            del vocab
+            self._load(pruned, broadcast_from_rank0=True)
+
+    def _initial_adapters(self) -> Dict[str, torch.Tensor]:
+        """Full initial LoRA tensors, drawn from the global RNG in module order like the single-device recipe's
+        ``materialize_adapters_`` (Kaiming A, zero B), identical on every rank; DoRA magnitudes as placeholders."""
+        adapters = {}
+        for name, module in self._model.named_modules():
+            if not isinstance(module, LoRALinear):
+                continue
+            key = unwrap_key(self._model, name)
+            a = torch.empty(module.rank, module.in_dim, dtype=self._adapter_dtype, device=self._device)
+            b = torch.empty(module.out_dim, module.rank, dtype=self._adapter_dtype, device=self._device)
+            _lora_a_init_params(_WeightHolder(a))
+            _lora_b_init_params(_WeightHolder(b))
+            adapters[f"{key}.lora_a.weight"] = a
+            adapters[f"{key}.lora_b.weight"] = b
+            if isinstance(module, DoRALinear):
+                # Placeholder: the magnitude is computed from the loaded base once every shard is in place.
+                adapters[f"{key}.magnitude"] = torch.zeros(module.out_dim, dtype=self._adapter_dtype)
+        return adapters
+
+    @torch.no_grad()
+    def _init_adapters(self, resumed: Optional[Dict[str, torch.Tensor]]) -> None:
+        """Initialises (or restores) adapters, DoRA magnitudes and RoPE caches on the sharded model."""
+        adapters = self._initial_adapters()
+        if resumed is not None:
+            expected = {unwrap_key(self._model, n) for n in get_adapter_params(self._model)}
+            if set(resumed) != expected:
+                raise ValueError(
+                    "The recipe state's adapters do not match the model's (different lora_attn_modules, "
+                    f"apply_lora_to_mlp, lora_rank or vocab_pruning?): {sorted(set(resumed) ^ expected)[:4]}"
+                )
+            adapters.update(resumed)
+        self._load(adapters, broadcast_from_rank0=False)
+        with torch.device(self._device):
+            for module in self._model.modules():
+                if hasattr(module, "rope_init"):
+                    module.rope_init()
+        if resumed is None:
+            for module in self._model.modules():
+                if isinstance(module, DoRALinear):
+                    _init_dora_magnitude(module)
+
+    # ------------------------------------------------------------------------------------------------- data
+
+    def _setup_data(self, dataset, cfg_dataset: Any, shuffle: bool, collate_fn: str, drop_last: bool):
+        packed = getattr(dataset, "packed", False) if isinstance(cfg_dataset, ListConfig) else \
+            cfg_dataset.get("packed", False)
+        if "left_pad_sequence" in collate_fn:
+            raise RuntimeError("left_pad_sequence collator is only for inference.")
+        collate = _get_component_from_path(collate_fn)
+        # Every rank must run the same number of batches (FSDP's collectives). Training pads the index list to a
+        # multiple of the world size (torchtune's behaviour); validation (no dropped batches) drops the remainder
+        # instead, so that no sample counts twice in the validation loss.
+        sampler = StatefulDistributedSampler(
+            dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle, seed=self.seed,
+            drop_last=not drop_last,
+        )
+        dataloader = StatefulDataLoader(
+            dataset=dataset,
+            batch_size=self._batch_size,
+            sampler=sampler,
+            collate_fn=padded_collate_packed if packed else partial(
+                collate, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index
+            ),
+            drop_last=drop_last,
+        )
+        return sampler, dataloader
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+
+    def _rng_state(self) -> Dict[str, Any]:
+        state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+        if self._device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self._device)
+        return state
+
+    def _set_rng_state(self, state: Dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        if "cuda" in state and self._device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self._device)
+
+    def _full_optimizer_state(self) -> Dict[str, Any]:
+        """The optimizer state with every sharded tensor gathered, in ``optimizer.state_dict()``'s own layout
+        (param indices), on rank 0; the same layout the single-device recipe saves. Collective."""
+        local = self._optimizer.state_dict()
+        full_state: Dict[int, Dict[str, Any]] = {}
+        for index in sorted(local["state"]):
+            entry = {}
+            for name, value in local["state"][index].items():
+                if isinstance(value, DTensor):
+                    value = value.full_tensor()
+                if self._is_rank_zero:
+                    entry[name] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+            full_state[index] = entry
+        return {"state": full_state, "param_groups": local["param_groups"]} if self._is_rank_zero else {}
+
+    def _load_optimizer_state(self, full: Dict[str, Any]) -> None:
+        """Loads a full optimizer state (this recipe's or the single-device recipe's), each rank keeping its shard."""
+        params = [p for group in self._optimizer.param_groups for p in group["params"]]
+        saved = [i for group in full["param_groups"] for i in group["params"]]
+        if len(saved) != len(params):
+            raise ValueError(
+                f"The recipe state's optimizer has {len(saved)} params, this model {len(params)}: resume with the "
+                "same model, LoRA and vocab_pruning settings."
+            )
+        state = {}
+        for index, entry in full["state"].items():
+            param = params[index]
+            state[index] = {
+                name: _like_param(value, param) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                for name, value in entry.items()
+            }
+        self._optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
+
+    def _base_vocab_state(self) -> Dict[str, torch.Tensor]:
+        """The base checkpoint's full-vocabulary embedding/output tensors (torchtune keys), read on rank 0."""
+        vocab = {}
+        for path in self._checkpointer.checkpoint_paths:
+            wanted = [hf_key for hf_key, info in _safetensors.read_header(path).items()
+                      if _is_vocab_key(self._tune_key(hf_key, info["shape"]))]
+            if wanted:
+                with safe_open(path, framework="pt") as f:
+                    for hf_key in wanted:
+                        key, tensor = self._converter.to_tune(hf_key, f.get_tensor(hf_key))
+                        vocab[key] = tensor
+        return vocab
+
+    def _tune_key(self, hf_key: str, shape: Sequence[int]) -> str:
+        converted = self._converter.to_tune(hf_key, torch.empty(shape, device="meta"))
+        return "" if converted is None else converted[0]
+
+    def _exportable(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """A gathered state dict under the unpruned model's keys and shapes (full vocabulary)."""
+        if self._pruning is None:
+            return state_dict
+        return export_full_vocab_state_dict(state_dict, self._base_vocab_state(), self._kept_ids)
+
+    def _recipe_state(
+        self, adapters: Dict[str, torch.Tensor], optimizer: Dict[str, Any], rng: List[Any], end_of_epoch: bool
+    ) -> Dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "epochs_run": self.epochs_run,
+            "steps_in_epoch_done": 0 if end_of_epoch else self._steps_in_epoch_done,
+            "seed": self.seed,
+            "total_epochs": self.total_epochs,
+            "max_steps_per_epoch": self.max_steps_per_epoch,
+            "dtype": str(self._dtype),
+            "adapter": adapters,
+            "optimizer": optimizer,
+            "lr_scheduler": self._lr_scheduler.state_dict(),
+            "loss_scaler": self._loss_scaler.state_dict(),
+            # A new epoch starts a fresh pass over the data.
+            "dataloader": None if end_of_epoch else self._dataloader.state_dict(),
+            "rng": rng[0],
+            "rng_per_rank": rng,
+            "world_size": self.world_size,
+            "kept_ids": self._kept_ids,
+        }
+
+    def save_checkpoint(self, epoch: int, end_of_epoch: bool = True, full: bool = True) -> None:
+        """Saves the recipe state, the adapter (PEFT) and optionally the merged model. Collective.
+
+        Only the adapters are gathered unless the merged model is written.
+
+        Args:
+            epoch (int): current epoch (0-based).
+            end_of_epoch (bool): called at the end of ``epoch``.
+            full (bool): also write the merged model (unless ``save_adapter_weights_only``).
+        """
+        start = time.perf_counter()
+        save_merged = full and not self._save_adapter_weights_only
+        state_dict = get_full_state_dict(self._model, adapter_weights_only=not save_merged)
+        optimizer = self._full_optimizer_state()
+        rng: List[Any] = [None] * self.world_size
+        dist.all_gather_object(rng, self._rng_state())
+        if self._is_rank_zero:
+            adapters = {k: state_dict[k] for k in self._adapter_keys}
+            self._checkpointer.save_recipe_state(self._recipe_state(adapters, optimizer, rng, end_of_epoch))
+            self._last_checkpoint = self._checkpointer.save(
+                GatheredModelView(self._model, self._exportable(state_dict)),
+                step=self.global_step,
+                adapter_config=dict(
+                    target_modules=get_lora_module_names(
+                        list(self._lora_attn_modules), self._apply_lora_to_mlp, self._apply_lora_to_output
+                    ),
+                    rank=self._lora_rank,
+                    alpha=self._lora_alpha,
+                    dropout=self._lora_dropout,
+                    use_dora=self._use_dora,
+                ),
+                save_merged=save_merged,
+                dtype=self._dtype,
+            )
+            log.info(f"Checkpoint saved to {self._last_checkpoint} in {time.perf_counter() - start:.1f} s.")
+        del state_dict
+        dist.barrier()
+
+    # ------------------------------------------------------------------------------------------------ training
+
+    def _pad_batch(self, batch: Dict[str, torch.Tensor]) -> None:
+        """Right-pads tokens (pad id) and labels (ignored) to a multiple of the output chunks; causal attention makes
+        the extra positions invisible to the others, so the loss is unchanged. Packed batches have a fixed length."""
+        if self._pad_to_multiple is None or "mask" in batch:
+            return
+        extra = -batch["tokens"].shape[1] % self._pad_to_multiple
+        if extra:
+            batch["tokens"] = nn.functional.pad(batch["tokens"], (0, extra), value=self._tokenizer.pad_id)
+            batch["labels"] = nn.functional.pad(batch["labels"], (0, extra), value=self._loss_fn.ignore_index)
+
+    def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        self._pad_batch(batch)
+        labels = batch.pop("labels")
+        logits = self._model(**batch)
+        # Shift labels: equivalent to labels[..., 1:] against logits[..., :-1, :] without slicing the logits.
+        labels = torch.hstack((labels[..., 1:], self._ignore_labels_cache[: labels.shape[0]]))
+        if self._pruning is not None:
+            labels = self._pruning.remap_labels(labels, ignore_index=self._loss_fn.ignore_index)
+        if not isinstance(logits, list):
+            labels = labels.reshape(-1)
+            logits = logits.reshape(-1, logits.size(-1))
+        loss = self._loss_fn(logits, labels)
+        # A micro-batch without label tokens still runs backward (FSDP's collectives), contributing zero.
+        if not bool((labels != self._loss_fn.ignore_index).any()):
+            loss = sum(chunk.sum() for chunk in (logits if isinstance(logits, list) else [logits])) * 0.0
+        del logits
+        return loss
+
+    @torch.no_grad()
+    def _validate(self) -> float:
+        self._model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self._device)
+        count = torch.zeros((), dtype=torch.float64, device=self._device)
+        for i, batch in enumerate(self._val_dataloader):
+            if self._max_validation_steps is not None and i >= self._max_validation_steps:
+                break
+            utils.batch_to_device(batch, self._device)
+            num_tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
+            total += self._loss_step(batch).double() * num_tokens
+            count += num_tokens
+        self._model.train()
+        sums = all_reduce_sum(torch.stack([total, count]), self._device)
+        return float(sums[0] / sums[1].clamp(min=1))
+
+    def _optimizer_step(self, num_tokens: torch.Tensor) -> Tuple[Dict[str, float], float]:
+        global_tokens = float(all_reduce_sum(num_tokens, self._device))
+        all_reduce_grads(self._replicated_params)
+        self._loss_scaler.unscale_(self._optimizer)
+        for param in self._trainable_params:
+            if param.grad is not None:
+                param.grad.mul_(1.0 / max(global_tokens, 1.0))
+        max_norm = math.inf if self._clip_grad_norm is None else float(self._clip_grad_norm)
+        grad_norm = clip_grad_norm_(self._trainable_params, max_norm=max_norm)
+        self._loss_scaler.step(self._optimizer)
+        self._optimizer.zero_grad(set_to_none=True)
+        self._lr_scheduler.step()
+        metrics = {"grad_norm": grad_norm.item()}
+        if self._loss_scaler.enabled:
+            metrics.update(loss_scale=self._loss_scaler.get_scale(), skipped_steps=self._loss_scaler.skipped_steps)
+        return metrics, global_tokens
+
+    def train(self) -> None:
+        """The training loop: gradient accumulation normalised by the global token count of each step."""
+        if self._compile:
+            utils.log_rank_zero(log, "torch.compile is enabled: the first iterations are slow.")
+        throughput = Throughput()
+        running_loss, num_tokens = 0.0, 0
+        for curr_epoch in range(self.epochs_run, self.total_epochs):
+            self._sampler.set_epoch(curr_epoch)
+            pbar = tqdm(
+                total=self._steps_per_epoch, initial=self._steps_in_epoch_done, dynamic_ncols=True,
+                disable=not self._is_rank_zero,
+            )
+            micro_batches = 0
+            for batch in self._dataloader:
+                if self._steps_in_epoch_done >= self._steps_per_epoch:
+                    break
+                utils.batch_to_device(batch, self._device)
+                batch_tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
+                num_tokens += batch_tokens
+                throughput.add(batch_tokens)
+                # The loss is a mean over tokens; weighting by the count lets the step normalise over all ranks.
+                loss = self._loss_step(batch) * batch_tokens
+                running_loss += loss.detach()
+                self._loss_scaler.scale(loss).backward()
+                micro_batches += 1
+                if micro_batches % self._gradient_accumulation_steps != 0:
+                    continue
+
+                step_metrics, global_tokens = self._optimizer_step(num_tokens)
+                self.global_step += 1
+                self._steps_in_epoch_done += 1
+                loss_value = float(all_reduce_sum(running_loss, self._device)) / max(global_tokens, 1.0)
+                self.loss_history.append(loss_value)
+                pbar.update(1)
+                pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_value:.4f}")
+                if self.global_step % self._log_every_n_steps == 0:
+                    rank_tokens_per_second = throughput.tokens_per_second()
+                    memory = gather_memory_stats(self._device)
+                    if self._is_rank_zero:
+                        self._metric_logger.log_dict(
+                            {
+                                "loss": loss_value,
+                                "lr": self._optimizer.param_groups[0]["lr"],
+                                "tokens_per_second": rank_tokens_per_second * global_tokens
+                                / max(float(num_tokens), 1.0),
+                                "tokens_per_second_per_rank": rank_tokens_per_second,
+                                **step_metrics,
+                                **memory,
+                            },
+                            step=self.global_step,
+                        )
+                    throughput.reset()
+                running_loss, num_tokens = 0.0, 0
+                if self._val_dataloader is not None and self._run_val_every_n_steps and \
+                        self.global_step % self._run_val_every_n_steps == 0:
+                    val_loss = self._validate()
+                    if self._is_rank_zero:
+                        self._metric_logger.log_dict({"val_loss": val_loss}, step=self.global_step)
+
+                if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
+                    if self._steps_in_epoch_done < self._steps_per_epoch:
+                        pbar.close()
+                        self.save_checkpoint(curr_epoch, end_of_epoch=False, full=False)
+                        utils.log_rank_zero(
+                            log, f"Stopped after step {self.global_step} (stop_after_step); resume with "
+                            "resume_from_checkpoint=True."
+                        )
+                        return
+                elif self._save_every_n_steps and self.global_step % self._save_every_n_steps == 0 and \
+                        self._steps_in_epoch_done < self._steps_per_epoch:
+                    self.save_checkpoint(curr_epoch, end_of_epoch=False, full=False)
+            pbar.close()
+            self.epochs_run += 1
+            self._steps_in_epoch_done = 0
+            self.save_checkpoint(curr_epoch, end_of_epoch=True)
+            if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
+                return
+
+    def cleanup(self) -> None:
+        """Closes the metric logger and prints (rank 0) where the outputs are."""
+        if not self._is_rank_zero:
+            return
+        self._metric_logger.close()
+        log_dir = getattr(self._metric_logger, "log_dir", None)
+        checkpoint = getattr(self, "_last_checkpoint", None)
+        lines = ["", f"Done ({self.world_size} ranks)."]
+        if self.loss_history:
+            lines.append(f"  loss: {self.loss_history[0]:.4f} (step 1) -> {self.loss_history[-1]:.4f} "
+                         f"(step {self.global_step})")
+        if checkpoint is not None:
+            lines.append(f"  adapter (PEFT):      {checkpoint / 'adapter'}")
+            if (checkpoint / "merged").is_dir():
+                lines.append(f"  merged model (HF):   {checkpoint / 'merged'}")
+        if (self._checkpointer.output_dir / "recipe_state").is_dir():
+            lines.append(f"  resumable state:     {self._checkpointer.output_dir / 'recipe_state'}")
+        if log_dir is not None:
+            lines.append(f"  TensorBoard logs:    {log_dir}  (tensorboard --logdir {log_dir})")
+        print("\n".join(lines), flush=True)
+
+
+class _WeightHolder:
+    """Gives a bare tensor the ``.weight`` that torchtune's LoRA init functions expect."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+
+def _like_param(value: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """A full optimizer-state tensor laid out like ``param``: this rank's shard for a DTensor param."""
+    if isinstance(param, DTensor):
+        local = param.to_local()
+        return distribute_tensor(
+            value.to(local.device), param.device_mesh, param.placements, src_data_rank=None
+        )
+    return value.to(param.device)
+
+
+@torch.no_grad()
+def _init_dora_magnitude(module: DoRALinear) -> None:
+    """DoRA's initial magnitude (row norms of ``W0 + scaling * B A``) on a sharded or unsharded module.
+
+    Rows are sharded alike for the weight, ``lora_b`` and ``magnitude`` (dim 0), so each rank computes its rows
+    from its own NF4 shard; ``lora_a`` (sharded on its rank dim) is gathered.
+    """
+    if not isinstance(module.magnitude, DTensor):
+        module.initialize_dora_magnitude()
+        return
+    dtype = module.magnitude.dtype
+    weight = module.weight.to_local()
+    base = dequantize_nf4(weight, dtype) if module._quantize_base else weight.to(dtype)
+    lora_a = module.lora_a.weight.full_tensor().to(dtype)
+    lora_b = module.lora_b.weight.to_local().to(dtype)
+    norms = torch.linalg.norm(base + module.scaling * (lora_b @ lora_a), dim=1)
+    module.magnitude.to_local().copy_(norms)
+
+
+def _run(cfg: DictConfig) -> None:
+    recipe = QLoRAFinetuneRecipeDistributed(cfg=cfg)
+    init_distributed(recipe._device, recipe._process_group_timeout_s)
+    try:
+        recipe.setup(cfg=cfg)
+        recipe.train()
+        recipe.cleanup()
+    finally:
+        destroy_distributed()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: ``tune run --nproc_per_node N recipes/qlora_finetune_distributed.py --config <yaml> [k=v ...]``."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        config.log_config(recipe_name="QLoRAFinetuneRecipeDistributed", cfg=cfg)
+    _run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())

@@ -1,0 +1,302 @@
+"""Streaming HF checkpoints: safetensors I/O, loading into NF4 vs torchtune's loader, PEFT/merged export, atomicity."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torchtune import training
+from torchtune.models import convert_weights
+from torchtune.training import FullModelHFCheckpointer
+
+from torchtune_ext._compat import to_nf4
+from torchtune_ext.data import write_tiny_checkpoint
+from torchtune_ext.models import lora_tiny_llama, lora_tiny_qwen, qlora_tiny_llama, qlora_tiny_qwen
+from torchtune_ext.training import _safetensors
+from torchtune_ext.training._checkpointing import (
+    QLoRAHFCheckpointer,
+    atomic_directory,
+    atomic_save,
+    check_materialized,
+    materialize_adapters_,
+    resolve_checkpoint_files,
+)
+from torchtune_ext.training._hf import HFConverter
+
+# All attention projections get LoRA: torchtune's qwen2 builder leaves a non-LoRA output_proj dense even with
+# quantize_base=True (ours quantizes every linear in the layers), so only this choice compares like with like.
+LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=8,
+            lora_alpha=16)
+FAMILIES = {
+    "llama": (qlora_tiny_llama, lora_tiny_llama, "LLAMA3_2"),
+    "qwen": (qlora_tiny_qwen, lora_tiny_qwen, "QWEN2"),
+}
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bases")
+    return {
+        (family, dtype): write_tiny_checkpoint(root / f"{family}_{dtype}", family=family, dtype=dtype, seed=3)
+        for family in FAMILIES for dtype in ("fp32", "bf16")
+    }
+
+
+def _loaded(family, base, tmp_path, dtype=torch.float32, **lora):
+    builder, _, model_type = FAMILIES[family]
+    model = builder(**{**LORA, **lora}, dtype=dtype)
+    checkpointer = QLoRAHFCheckpointer(str(base), str(tmp_path / "out"), model_type)
+    checkpointer.load_base(model, torch.device("cpu"))
+    torch.manual_seed(0)
+    materialize_adapters_(model, torch.device("cpu"))
+    check_materialized(model)
+    return model, checkpointer
+
+
+# ------------------------------------------------------------------------------------------------ safetensors
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.f32": torch.randn(3, 5, generator=g),
+        "b.bf16": torch.randn(7, generator=g).bfloat16(),
+        "c.f16": torch.randn(2, 2, 2, generator=g).half(),
+        "d.i64": torch.arange(6).reshape(2, 3),
+        "e.bool": torch.tensor([True, False, True]),
+        "f.scalar": torch.tensor(2.5),
+        "g.empty": torch.zeros(0, 4),
+    }
+
+
+def test_streamed_safetensors_interoperate_with_the_safetensors_library(tmp_path):
+    tensors = _tensors()
+    specs = [_safetensors.TensorSpec(k, v.shape, v.dtype) for k, v in tensors.items()]
+    _safetensors.write_tensors(tmp_path / "ours.safetensors", specs, tensors.items())
+    theirs = load_file(tmp_path / "ours.safetensors")
+    assert theirs.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert theirs[k].dtype == v.dtype and torch.equal(theirs[k], v)
+
+    save_file(tensors, tmp_path / "lib.safetensors")
+    read = dict(_safetensors.iter_tensors(tmp_path / "lib.safetensors"))
+    assert read.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert read[k].dtype == v.dtype and torch.equal(read[k], v)
+    assert {k: tuple(v["shape"]) for k, v in _safetensors.read_header(tmp_path / "lib.safetensors").items()} == {
+        k: tuple(v.shape) for k, v in tensors.items()}
+
+
+def test_writer_rejects_a_tensor_that_does_not_match_its_spec(tmp_path):
+    specs = [_safetensors.TensorSpec("x", (2, 2), torch.float32)]
+    with pytest.raises(ValueError, match="does not match"):
+        _safetensors.write_tensors(tmp_path / "x.safetensors", specs, [("x", torch.zeros(2, 3))])
+    with pytest.raises(ValueError, match="expected 1 tensors, got 0"):
+        _safetensors.write_tensors(tmp_path / "y.safetensors", specs, [])
+
+
+def test_truncated_file_is_reported(tmp_path):
+    save_file({"w": torch.randn(64, 64)}, tmp_path / "w.safetensors")
+    data = (tmp_path / "w.safetensors").read_bytes()
+    (tmp_path / "w.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="truncated"):
+        list(_safetensors.iter_tensors(tmp_path / "w.safetensors"))
+
+
+def test_plan_shards_respects_the_limit_and_order():
+    specs = [_safetensors.TensorSpec(str(i), (n,), torch.float32) for i, n in enumerate([10, 10, 30, 5, 5])]
+    shards = _safetensors.plan_shards(specs, max_shard_bytes=80)
+    assert [[s.name for s in shard] for shard in shards] == [["0", "1"], ["2"], ["3", "4"]]
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen"])
+def test_streamed_load_equals_torchtunes_checkpointer_and_quantization(bases, tmp_path, family):
+    """Our model after streaming equals torchtune's quantize_base model loaded by FullModelHFCheckpointer."""
+    ours, _ = _loaded(family, bases[(family, "fp32")], tmp_path)
+    _, torchtune_builder, model_type = FAMILIES[family]
+    state = FullModelHFCheckpointer(
+        str(bases[(family, "fp32")]), ["model.safetensors"], model_type, str(tmp_path / "tt")
+    ).load_checkpoint()[training.MODEL_KEY]
+    with training.set_default_dtype(torch.float32):
+        reference = torchtune_builder(**LORA, quantize_base=True)
+    reference.load_state_dict(state, strict=False)
+    reference.load_state_dict({k: v for k, v in ours.state_dict().items() if "lora" in k}, strict=False)
+    for b in (ours.layers[0].attn.q_proj.lora_b, ours.layers[1].mlp.w2.lora_b):
+        torch.nn.init.normal_(b.weight)  # make the adapters matter
+    reference.load_state_dict({k: v for k, v in ours.state_dict().items() if "lora" in k}, strict=False)
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ours(tokens), reference(tokens), rtol=0, atol=1e-5)
+
+
+def test_bf16_checkpoint_into_fp32_model_quantizes_in_fp32(bases, tmp_path):
+    ours, _ = _loaded("llama", bases[("llama", "bf16")], tmp_path)
+    hf = load_file(bases[("llama", "bf16")] / "model.safetensors")
+    tune = convert_weights.hf_to_tune(hf, num_heads=4, num_kv_heads=2, dim=256)
+    for key in ("layers.0.attn.q_proj.weight", "layers.1.mlp.w1.weight", "layers.0.attn.output_proj.weight"):
+        param = ours.get_parameter(key)
+        assert param.dtype == torch.float32 and not param.requires_grad
+        expected = to_nf4(tune[key].float()).get_original_weight()
+        torch.testing.assert_close(param.get_original_weight(), expected, rtol=0, atol=0)
+    assert ours.tok_embeddings.weight.dtype == torch.float32
+    assert torch.equal(ours.tok_embeddings.weight, tune["tok_embeddings.weight"].float())
+
+
+def test_sharded_checkpoint_is_found_through_its_index(tmp_path):
+    with training.set_default_dtype(torch.float32), torch.device("meta"):
+        meta = lora_tiny_llama(lora_attn_modules=["q_proj"])
+    from torchtune_ext.models import TINY_LLAMA_ARGS
+    from torchtune_ext.training._checkpointing import write_random_hf_checkpoint
+    from torchtune_ext.training._hf import llama3_2_hf_config
+
+    base = write_random_hf_checkpoint(tmp_path / "sharded", meta, "LLAMA3_2", llama3_2_hf_config(**TINY_LLAMA_ARGS),
+                                      dtype=torch.float32, max_shard_size_mb=1)
+    files = resolve_checkpoint_files(base, None)
+    assert len(files) > 2 and all(f.name.startswith("model-0000") for f in files)
+    model, _ = _loaded("llama", base, tmp_path)
+    assert model.layers[1].mlp.w3.weight.shape == (512, 256)
+
+
+def test_missing_and_mismatched_checkpoints_fail_before_loading(bases, tmp_path):
+    base = bases[("llama", "fp32")]
+    with pytest.raises(FileNotFoundError, match="nope.safetensors"):
+        QLoRAHFCheckpointer(str(base), str(tmp_path / "o"), "LLAMA3_2", checkpoint_files=["nope.safetensors"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        QLoRAHFCheckpointer(str(tmp_path / "absent"), str(tmp_path / "o"), "LLAMA3_2")
+    with pytest.raises(ValueError, match="not supported"):
+        QLoRAHFCheckpointer(str(base), str(tmp_path / "o"), "GEMMA")
+    with pytest.raises(ValueError, match="inside"):
+        QLoRAHFCheckpointer(str(base), str(base / "out"), "LLAMA3_2")
+    checkpointer = QLoRAHFCheckpointer(str(base), str(tmp_path / "o"), "LLAMA3_2")
+    with pytest.raises(ValueError, match=r"shape \(512, 256\).*expects \(768, 256\)"):
+        checkpointer.validate(qlora_tiny_llama(**LORA, intermediate_dim=768))
+    with pytest.raises(ValueError, match="lacks 9 weight"):
+        checkpointer.validate(qlora_tiny_llama(**LORA, num_layers=3))
+    with pytest.raises(ValueError, match="not a weight of the configured model"):
+        checkpointer.validate(qlora_tiny_llama(**LORA, num_layers=1))
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------------ PEFT
+
+
+def test_peft_conversion_matches_torchtune_for_llama_lora():
+    converter = HFConverter("LLAMA3_2", num_heads=4, num_kv_heads=2, embed_dim=256, head_dim=64,
+                            tie_word_embeddings=True)
+    g = torch.Generator().manual_seed(0)
+    adapters = {
+        "layers.0.attn.q_proj.lora_a.weight": torch.randn(8, 256, generator=g),
+        "layers.0.attn.q_proj.lora_b.weight": torch.randn(256, 8, generator=g),
+        "layers.0.attn.k_proj.lora_b.weight": torch.randn(128, 8, generator=g),
+        "layers.1.mlp.w2.lora_b.weight": torch.randn(256, 8, generator=g),
+    }
+    expected = convert_weights.tune_to_peft_adapter_weights(adapters, num_heads=4, num_kv_heads=2, dim=256)
+    ours = dict(converter.to_peft(k, v) for k, v in adapters.items())
+    assert ours.keys() == expected.keys()
+    for k in ours:
+        assert torch.equal(ours[k], expected[k]), k
+
+
+@pytest.mark.parametrize("model_type", ["LLAMA3_2", "QWEN2"])
+def test_peft_tensors_follow_the_base_weights_layout(model_type):
+    """HF(W) + s * B_peft @ A_peft == HF(W + s * B @ A), and DoRA magnitudes follow the same rows."""
+    converter = HFConverter(model_type, num_heads=4, num_kv_heads=2, embed_dim=256, head_dim=64,
+                            tie_word_embeddings=True)
+    g = torch.Generator().manual_seed(1)
+    for proj, rows in (("q_proj", 256), ("k_proj", 128), ("v_proj", 128)):
+        w, a, b, m = (torch.randn(rows, 256, generator=g), torch.randn(8, 256, generator=g),
+                      torch.randn(rows, 8, generator=g), torch.rand(rows, generator=g))
+        key = f"layers.0.attn.{proj}"
+        hf_key, hf_merged = converter.to_hf(f"{key}.weight", w + 2.0 * b @ a)
+        _, hf_w = converter.to_hf(f"{key}.weight", w)
+        peft_a_key, peft_a = converter.to_peft(f"{key}.lora_a.weight", a)
+        peft_b_key, peft_b = converter.to_peft(f"{key}.lora_b.weight", b)
+        peft_m_key, peft_m = converter.to_peft(f"{key}.magnitude", m)
+        assert peft_a_key == f"base_model.model.{hf_key[:-7]}.lora_A.weight"
+        assert peft_b_key == f"base_model.model.{hf_key[:-7]}.lora_B.weight"
+        assert peft_m_key == f"base_model.model.{hf_key[:-7]}.lora_magnitude_vector"
+        torch.testing.assert_close(hf_w + 2.0 * peft_b @ peft_a, hf_merged)
+        _, hf_m = converter.to_hf(f"{key}.weight", m.unsqueeze(-1).expand(rows, 256).contiguous())
+        torch.testing.assert_close(peft_m, hf_m[:, 0])
+        if model_type == "QWEN2":
+            assert torch.equal(peft_b, b)
+
+
+# ------------------------------------------------------------------------------------------------ saving
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen"])
+def test_save_writes_peft_adapter_and_merged_model(bases, tmp_path, family):
+    base = bases[(family, "fp32")]
+    model, checkpointer = _loaded(family, base, tmp_path)
+    for name, param in model.named_parameters():
+        if "lora_b" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    adapter_config = dict(target_modules=["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"], rank=8,
+                          alpha=16, dropout=0.0, use_dora=False)
+    checkpointer.max_shard_bytes = 2 * 1024**2  # several shards
+    step_dir = checkpointer.save(model, step=7, adapter_config=adapter_config, save_merged=True, dtype=torch.bfloat16)
+    assert step_dir == tmp_path / "out" / "step_7"
+    assert sorted(p.name for p in (step_dir / "adapter").iterdir()) == ["adapter_config.json",
+                                                                        "adapter_model.safetensors"]
+    merged_files = sorted(p.name for p in (step_dir / "merged").iterdir())
+    assert not any(n.startswith("adapter") for n in merged_files)
+    assert "config.json" in merged_files and "model.safetensors.index.json" in merged_files
+    assert [p.name for p in tmp_path.joinpath("out").iterdir()] == ["step_7"]  # no temporary leftovers
+
+    config = json.loads((step_dir / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert (config["r"], config["lora_alpha"]) == (8, 16)
+    assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj",
+                                                       "up_proj"])
+    assert config["base_model_name_or_path"] == str(base.resolve())
+    assert json.loads((step_dir / "merged" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+    index = json.loads((step_dir / "merged" / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1
+    merged = {k: v for shard in shards for k, v in load_file(step_dir / "merged" / shard).items()}
+    assert merged.keys() == index["weight_map"].keys() == load_file(base / "model.safetensors").keys()
+    peft = load_file(step_dir / "adapter" / "adapter_model.safetensors")
+    assert all(v.dtype == torch.float32 for v in peft.values())
+
+    # Independent reference: torchao's dequantization of the NF4 base + scale * B @ A, in HF layout.
+    hf_base = load_file(base / "model.safetensors")
+    for hf_key, value in merged.items():
+        assert value.dtype == torch.bfloat16
+        reference = hf_base[hf_key]
+        if hf_key.endswith("proj.weight"):
+            reference = to_nf4(reference).get_original_weight()
+            if family == "llama" and hf_key.split(".")[-2] in ("q_proj", "k_proj"):
+                # NF4 blocks run along torchtune's (permuted) rows: quantize in that layout, as the model does.
+                tune_key, tune_w = HFConverter.for_model("LLAMA3_2", model).to_tune(hf_key, hf_base[hf_key])
+                reference = HFConverter.for_model("LLAMA3_2", model).to_hf(
+                    tune_key, to_nf4(tune_w).get_original_weight())[1]
+            prefix = "base_model.model." + hf_key[: -len(".weight")]
+            if f"{prefix}.lora_A.weight" in peft:
+                reference = reference + 2.0 * peft[f"{prefix}.lora_B.weight"] @ peft[f"{prefix}.lora_A.weight"]
+        torch.testing.assert_close(value, reference.to(torch.bfloat16), rtol=0, atol=0, msg=hf_key)
+
+
+def test_atomic_directory_leaves_nothing_on_failure_and_replaces_on_success(tmp_path):
+    final = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError):
+        with atomic_directory(final) as tmp:
+            (tmp / "half.bin").write_bytes(b"x")
+            raise RuntimeError("crash mid-write")
+    assert list(tmp_path.iterdir()) == []
+    with atomic_directory(final) as tmp:
+        (tmp / "a").write_text("1")
+    with atomic_directory(final) as tmp:
+        (tmp / "b").write_text("2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert [p.name for p in final.iterdir()] == ["b"]
+
+
+def test_atomic_save_replaces_the_file(tmp_path):
+    atomic_save({"step": 1}, tmp_path / "state" / "s.pt")
+    atomic_save({"step": 2}, tmp_path / "state" / "s.pt")
+    assert torch.load(tmp_path / "state" / "s.pt") == {"step": 2}
+    assert [p.name for p in (tmp_path / "state").iterdir()] == ["s.pt"]

@@ -1,0 +1,33 @@
+"""Memory and throughput metrics."""
+
+import time
+
+import torch
+
+from torchtune_ext.training._metrics import Throughput, format_memory_stats, memory_stats, peak_rss_bytes, rss_bytes
+
+
+def test_peak_rss_tracks_a_large_allocation():
+    before = peak_rss_bytes()
+    block = torch.ones(64 * 1024**2 // 4 + before // 4)  # larger than the current peak, touched
+    assert peak_rss_bytes() >= block.numel() * 4
+    assert rss_bytes() >= block.numel() * 4
+    del block
+
+
+def test_cpu_memory_stats_report_rss_in_gib():
+    stats = memory_stats(torch.device("cpu"))
+    assert set(stats) == {"peak_rss", "rss"}
+    assert 0 < stats["rss"] <= stats["peak_rss"] + 1e-3
+    assert "peak_rss" in format_memory_stats(stats) and "GiB" in format_memory_stats(stats)
+
+
+def test_throughput_counts_tokens_per_second():
+    meter = Throughput()
+    meter.add(100)
+    meter.add(torch.tensor(50))
+    time.sleep(0.05)
+    rate = meter.tokens_per_second()
+    assert meter.tokens == 150 and 0 < rate <= 150 / 0.05
+    meter.reset()
+    assert meter.tokens == 0

@@ -1,0 +1,21 @@
+"""Data for the embedded tiny default: a deterministic instruction data set and its SentencePiece tokenizer."""
+
+from torchtune_ext.data._tiny import (
+    TINY_TOKENIZER_PATH,
+    TinyInstructDataset,
+    tiny_instruct_dataset,
+    tiny_instruct_samples,
+    tiny_tokenizer,
+    train_tiny_tokenizer,
+)
+from torchtune_ext.data._tiny_checkpoint import write_tiny_checkpoint
+
+__all__ = [
+    "TINY_TOKENIZER_PATH",
+    "TinyInstructDataset",
+    "tiny_instruct_dataset",
+    "tiny_instruct_samples",
+    "tiny_tokenizer",
+    "train_tiny_tokenizer",
+    "write_tiny_checkpoint",
+]

@@ -1,0 +1,64 @@
+"""The tiny default's base model: a random-init HF-format checkpoint generated on first use (no download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Union
+
+import torch
+from torchtune.training import set_default_dtype
+
+from torchtune_ext.models import TINY_LLAMA_ARGS, TINY_QWEN_ARGS, lora_tiny_llama, lora_tiny_qwen
+from torchtune_ext.training._checkpointing import write_random_hf_checkpoint
+from torchtune_ext.training._hf import llama3_2_hf_config, qwen2_hf_config
+from torchtune_ext.training._precision import parse_dtype
+
+_FAMILIES = {
+    "llama": (lora_tiny_llama, TINY_LLAMA_ARGS, llama3_2_hf_config, "LLAMA3_2"),
+    "qwen": (lora_tiny_qwen, TINY_QWEN_ARGS, qwen2_hf_config, "QWEN2"),
+}
+
+
+def write_tiny_checkpoint(
+    checkpoint_dir: Union[str, Path],
+    family: str = "llama",
+    dtype: str = "fp32",
+    seed: int = 0,
+    std: float = 0.02,
+    embedding_std: float = 0.06,
+    overwrite: bool = False,
+) -> Path:
+    """Writes the tiny model's random-init HF checkpoint (``config.json`` + ``model.safetensors``) if missing.
+
+    The tiny default's config calls this before loading, so the real streaming load path runs on a fresh clone.
+
+    Args:
+        checkpoint_dir (Union[str, Path]): the folder.
+        family (str): "llama" (``qlora_tiny_llama``, LLAMA3_2 layout) or "qwen" (``qlora_tiny_qwen``, QWEN2).
+        dtype (str): weights' dtype: fp32, bf16 or fp16.
+        seed (int): RNG seed of the weights.
+        std (float): init standard deviation.
+        embedding_std (float): standard deviation of the (tied) token embedding; a larger one than ``std`` lets
+            the frozen output projection reach confident predictions, so that the adapters can learn fast.
+        overwrite (bool): rewrite even if the folder holds a checkpoint.
+
+    Returns:
+        Path: ``checkpoint_dir``.
+
+    Raises:
+        ValueError: on an unknown family.
+    """
+    if family not in _FAMILIES:
+        raise ValueError(f"Unknown tiny model family {family!r}; use one of {sorted(_FAMILIES)}.")
+    checkpoint_dir = Path(checkpoint_dir)
+    files = [checkpoint_dir / "config.json", checkpoint_dir / "model.safetensors"]
+    if not overwrite and all(f.is_file() for f in files):
+        return checkpoint_dir
+    builder, args, hf_config, model_type = _FAMILIES[family]
+    torch_dtype = parse_dtype(dtype, torch.device("cpu"))
+    with set_default_dtype(torch_dtype), torch.device("meta"):
+        model = builder(lora_attn_modules=["q_proj"])
+    return write_random_hf_checkpoint(
+        checkpoint_dir, model, model_type, hf_config(**args, dtype=torch_dtype), dtype=torch_dtype, seed=seed, std=std,
+        embedding_std=embedding_std,
+    )

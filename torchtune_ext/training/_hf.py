@@ -1,0 +1,359 @@
+"""HF <-> torchtune conversion one tensor at a time, PEFT adapter files, and HF ``config.json`` for our models.
+
+Conversion calls torchtune's own per-family converters (``convert_weights.hf_to_tune`` / ``tune_to_hf`` with the
+q/k permutation for the Llama family, ``qwen2_hf_to_tune`` / ``qwen2_tune_to_hf`` for Qwen2) on one-entry state
+dicts, so a checkpoint streams through them tensor by tensor.
+
+The PEFT adapter conversion is ours because torchtune's ``tune_to_peft_adapter_weights`` (0.6.1) is wrong in two
+cases: it permutes Qwen2's q/k ``lora_B`` although Qwen2 weights are never permuted, and it leaves DoRA's q/k
+``magnitude`` unpermuted although its rows follow the permuted weight's rows. Here every adapter tensor goes
+through the same converter as the base weight of its layer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torchtune.models import convert_weights
+from torchtune.models.qwen2._convert_weights import _FROM_HF as _QWEN2_FROM_HF
+from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune_to_hf
+
+#: model_type -> True when the family stores q/k rows permuted relative to HF (torchtune's interleaved RoPE).
+SUPPORTED_MODEL_TYPES: Dict[str, bool] = {
+    "LLAMA2": True,
+    "LLAMA3": True,
+    "LLAMA3_2": True,
+    "MISTRAL": True,
+    "QWEN2": False,
+}
+
+_ADAPTER_SUFFIXES = {".lora_a.weight": ".lora_A.weight", ".lora_b.weight": ".lora_B.weight",
+                     ".magnitude": ".lora_magnitude_vector"}
+
+
+def is_adapter_key(key: str) -> bool:
+    """
+    Args:
+        key (str): a torchtune state-dict key.
+
+    Returns:
+        bool: whether it names a LoRA/DoRA adapter param (torchtune's ``get_adapter_state_dict`` rule).
+    """
+    return "lora" in key or "magnitude" in key
+
+
+class HFConverter:
+    """Per-tensor conversion between HF and torchtune layouts for one model.
+
+    Args:
+        model_type (str): torchtune checkpointer model type: LLAMA2, LLAMA3, LLAMA3_2, MISTRAL or QWEN2.
+        num_heads (int): attention heads.
+        num_kv_heads (int): key/value heads.
+        embed_dim (int): model dim.
+        head_dim (int): head dim.
+        tie_word_embeddings (bool): whether the output projection is the token embedding (no ``lm_head``).
+
+    Raises:
+        ValueError: on an unsupported ``model_type``.
+    """
+
+    def __init__(
+        self,
+        model_type: str,
+        num_heads: int,
+        num_kv_heads: int,
+        embed_dim: int,
+        head_dim: int,
+        tie_word_embeddings: bool,
+    ):
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"checkpointer.model_type={model_type!r} is not supported; use one of "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3/3.1/3.2, Mistral: their own types; Qwen2/2.5: QWEN2)."
+            )
+        self.model_type = model_type
+        self.permutes_qk = SUPPORTED_MODEL_TYPES[model_type]
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.embed_dim = embed_dim
+        self.head_dim = head_dim
+        self.tie_word_embeddings = tie_word_embeddings
+        from_hf = convert_weights._FROM_HF if self.permutes_qk else _QWEN2_FROM_HF
+        self._tune_to_hf_keys = {tune: hf for hf, tune in from_hf.items() if tune is not None}
+
+    @classmethod
+    def for_model(cls, model_type: str, model: nn.Module) -> HFConverter:
+        """Reads the attention geometry off a torchtune ``TransformerDecoder`` (meta or materialised).
+
+        Args:
+            model_type (str): checkpointer model type.
+            model (nn.Module): the model.
+
+        Returns:
+            HFConverter: the converter.
+        """
+        attn = model.layers[0].attn
+        tied = not any(name == "output.weight" for name, _ in model.named_parameters())
+        return cls(model_type, attn.num_heads, attn.num_kv_heads, attn.embed_dim, attn.head_dim, tied)
+
+    def _kwargs(self, dim: Optional[int] = None) -> Dict[str, Any]:
+        kwargs = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                      dim=self.embed_dim if dim is None else dim, head_dim=self.head_dim)
+        if not self.permutes_qk:
+            kwargs["tie_word_embeddings"] = self.tie_word_embeddings
+        return kwargs
+
+    def to_tune(self, hf_key: str, tensor: torch.Tensor) -> Optional[Tuple[str, torch.Tensor]]:
+        """Converts one HF tensor; None for tensors torchtune drops (rotary ``inv_freq``, a tied ``lm_head``).
+
+        Args:
+            hf_key (str): HF key.
+            tensor (torch.Tensor): HF tensor.
+
+        Returns:
+            Optional[Tuple[str, torch.Tensor]]: torchtune key and tensor.
+        """
+        if self.tie_word_embeddings and hf_key == "lm_head.weight":
+            return None
+        convert = convert_weights.hf_to_tune if self.permutes_qk else qwen2_hf_to_tune
+        converted = convert({hf_key: tensor}, **self._kwargs())
+        return next(iter(converted.items()), None)
+
+    def to_hf(self, tune_key: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
+        """Converts one torchtune tensor (works on meta tensors, to plan shapes).
+
+        Args:
+            tune_key (str): torchtune key of a base (non-adapter) param.
+            tensor (torch.Tensor): the tensor.
+
+        Returns:
+            Tuple[str, torch.Tensor]: HF key and tensor.
+        """
+        convert = convert_weights.tune_to_hf if self.permutes_qk else qwen2_tune_to_hf
+        return next(iter(convert({tune_key: tensor}, **self._kwargs()).items()))
+
+    def to_peft(self, tune_key: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
+        """Converts one torchtune adapter tensor to its PEFT key and layout.
+
+        ``lora_b`` and ``magnitude`` rows follow the base weight's output rows, so they take its permutation;
+        ``lora_a`` works on the input dim, which is never permuted.
+
+        Args:
+            tune_key (str): e.g. ``layers.0.attn.q_proj.lora_b.weight``.
+            tensor (torch.Tensor): the adapter tensor.
+
+        Returns:
+            Tuple[str, torch.Tensor]: e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight``.
+        """
+        suffix = next(s for s in _ADAPTER_SUFFIXES if tune_key.endswith(s))
+        base_key = tune_key[: -len(suffix)] + ".weight"
+        value = tensor
+        if suffix != ".lora_a.weight" and self.permutes_qk:
+            rows = tensor if suffix == ".lora_b.weight" else tensor.unsqueeze(-1)
+            converted = convert_weights.tune_to_hf({base_key: rows}, **self._kwargs(dim=rows.shape[-1]))
+            value = next(iter(converted.values()))
+            value = value if suffix == ".lora_b.weight" else value.squeeze(-1)
+        hf_key = convert_weights.get_mapped_key(base_key, self._tune_to_hf_keys)
+        return "base_model.model." + hf_key[: -len(".weight")] + _ADAPTER_SUFFIXES[suffix], value
+
+
+def peft_adapter_config(
+    target_modules: List[str],
+    rank: int,
+    alpha: float,
+    dropout: float,
+    use_dora: bool,
+    base_model_name_or_path: str,
+) -> Dict[str, Any]:
+    """A PEFT ``adapter_config.json`` that ``peft.PeftModel.from_pretrained`` loads.
+
+    Args:
+        target_modules (List[str]): torchtune module names (``q_proj``, ``output_proj``, ``w1``, ...).
+        rank (int): LoRA rank.
+        alpha (float): LoRA alpha.
+        dropout (float): LoRA dropout.
+        use_dora (bool): DoRA.
+        base_model_name_or_path (str): the base model (hub id or local path).
+
+    Returns:
+        Dict[str, Any]: the config.
+    """
+    converted = convert_weights.tune_to_peft_adapter_config(
+        {"target_modules": list(target_modules), "r": rank, "lora_alpha": alpha},
+        base_model_name_or_path=base_model_name_or_path,
+    )
+    return {
+        **converted,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "lora_dropout": dropout,
+        "use_dora": use_dora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+    }
+
+
+_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def hf_dtype_name(dtype: torch.dtype) -> str:
+    """
+    Args:
+        dtype (torch.dtype): a float dtype.
+
+    Returns:
+        str: its name in HF's ``config.json`` (``torch_dtype``).
+    """
+    return _HF_DTYPE_NAMES[dtype]
+
+
+def llama3_2_hf_config(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    rope_base: float = 500_000,
+    scale_factor: float = 32,
+    norm_eps: float = 1e-5,
+    tie_word_embeddings: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Dict[str, Any]:
+    """HF ``config.json`` of a Llama 3.2-style model with torchtune ``llama3_2`` builder arguments.
+
+    Args:
+        vocab_size (int): vocabulary size.
+        num_layers (int): decoder layers.
+        num_heads (int): attention heads.
+        num_kv_heads (int): key/value heads.
+        embed_dim (int): model dim.
+        intermediate_dim (int): MLP hidden dim.
+        max_seq_len (int): maximum sequence length.
+        rope_base (float): RoPE theta.
+        scale_factor (float): Llama 3.1 RoPE scaling factor (low 1, high 4, original context 8192: torchtune's).
+        norm_eps (float): RMSNorm epsilon.
+        tie_word_embeddings (bool): tied input/output embeddings.
+        dtype (torch.dtype): the weights' dtype (``torch_dtype``).
+
+    Returns:
+        Dict[str, Any]: the config.
+    """
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": embed_dim,
+        "intermediate_size": intermediate_dim,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": embed_dim // num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_seq_len,
+        "rms_norm_eps": norm_eps,
+        "rope_theta": float(rope_base),
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": float(scale_factor),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": hf_dtype_name(dtype),
+    }
+
+
+def qwen2_hf_config(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    rope_base: float = 1_000_000.0,
+    norm_eps: float = 1e-6,
+    tie_word_embeddings: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Dict[str, Any]:
+    """HF ``config.json`` of a Qwen2-style model with torchtune ``qwen2`` builder arguments.
+
+    Args:
+        vocab_size (int): vocabulary size.
+        num_layers (int): decoder layers.
+        num_heads (int): attention heads.
+        num_kv_heads (int): key/value heads.
+        embed_dim (int): model dim.
+        intermediate_dim (int): MLP hidden dim.
+        max_seq_len (int): maximum sequence length.
+        rope_base (float): RoPE theta.
+        norm_eps (float): RMSNorm epsilon.
+        tie_word_embeddings (bool): tied input/output embeddings.
+        dtype (torch.dtype): the weights' dtype (``torch_dtype``).
+
+    Returns:
+        Dict[str, Any]: the config.
+    """
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab_size,
+        "hidden_size": embed_dim,
+        "intermediate_size": intermediate_dim,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_seq_len,
+        "max_window_layers": num_layers,
+        "rms_norm_eps": norm_eps,
+        "rope_theta": float(rope_base),
+        "sliding_window": max_seq_len,
+        "use_sliding_window": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": hf_dtype_name(dtype),
+    }
+
+
+def read_hf_config(checkpoint_dir: Path) -> Dict[str, Any]:
+    """Reads ``config.json`` from an HF checkpoint folder.
+
+    Args:
+        checkpoint_dir (Path): the folder.
+
+    Returns:
+        Dict[str, Any]: the config.
+
+    Raises:
+        FileNotFoundError: if there is no ``config.json``.
+    """
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: checkpointer.checkpoint_dir must be an HF-format model folder (config.json + "
+            "*.safetensors), e.g. from `tune download <repo> --output-dir <dir>`."
+        )
+    return json.loads(path.read_text())

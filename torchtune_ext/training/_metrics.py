@@ -1,0 +1,94 @@
+"""Memory and throughput metrics for the recipes' logs: CUDA peaks, the process's peak RSS, tokens/s."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Dict
+
+import psutil
+import torch
+
+_GIB = 1024**3
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (``ru_maxrss``: kilobytes on Linux, bytes on macOS).
+
+    Returns:
+        int: bytes.
+    """
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def rss_bytes() -> int:
+    """
+    Returns:
+        int: the process's current resident set size in bytes.
+    """
+    return psutil.Process().memory_info().rss
+
+
+def memory_stats(device: torch.device, reset_peaks: bool = False) -> Dict[str, float]:
+    """Memory figures for the logs, in GiB.
+
+    Always the host process's ``peak_rss`` / ``rss``; on CUDA also torchtune's names ``peak_memory_alloc``,
+    ``peak_memory_reserved`` and ``peak_memory_active`` (peaks since the last reset).
+
+    Args:
+        device (torch.device): the training device.
+        reset_peaks (bool): reset CUDA peak counters after reading them.
+
+    Returns:
+        Dict[str, float]: name -> GiB.
+    """
+    stats = {"peak_rss": peak_rss_bytes() / _GIB, "rss": rss_bytes() / _GIB}
+    if device.type == "cuda":
+        cuda = torch.cuda.memory_stats(device)
+        stats.update(
+            peak_memory_alloc=torch.cuda.max_memory_allocated(device) / _GIB,
+            peak_memory_reserved=torch.cuda.max_memory_reserved(device) / _GIB,
+            peak_memory_active=cuda.get("active_bytes.all.peak", 0) / _GIB,
+        )
+        if reset_peaks:
+            torch.cuda.reset_peak_memory_stats(device)
+    return stats
+
+
+def format_memory_stats(stats: Dict[str, float]) -> str:
+    """
+    Args:
+        stats (Dict[str, float]): from :func:`memory_stats`.
+
+    Returns:
+        str: one line, e.g. ``peak_rss 1.20 GiB | rss 1.10 GiB``.
+    """
+    return " | ".join(f"{name} {value:.2f} GiB" for name, value in stats.items())
+
+
+class Throughput:
+    """Counts tokens between :meth:`reset` calls and reports tokens per second."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Starts a new interval."""
+        self.tokens = 0
+        self._start = time.perf_counter()
+
+    def add(self, num_tokens: int) -> None:
+        """
+        Args:
+            num_tokens (int): tokens processed.
+        """
+        self.tokens += int(num_tokens)
+
+    def tokens_per_second(self) -> float:
+        """
+        Returns:
+            float: tokens / seconds since the last reset.
+        """
+        return self.tokens / max(time.perf_counter() - self._start, 1e-9)
