@@ -8,12 +8,14 @@ dtype (fp32, bf16, fp16), all three run in one process on the same inputs:
 - torchao: ``torchao.dtypes.nf4tensor.linear_nf4(x, W_nf4)`` (it computes in the activation's dtype, here the same).
 
 The NF4 weight is quantized from a random weight in the compute dtype and the dense baseline uses its dequantized
-values, so all three compute the same product. Reported: best-of-N fwd+bwd wall time (grad w.r.t. the input only: the weight is frozen; best of N as
-``timeit`` recommends, since other processes only ever add time), the ratios ours/dense
-and ours/torchao, and the bytes saved for backward (``torch.autograd.graph.saved_tensors_hooks``; an NF4 weight
-counts its packed storage). On CUDA also the peak memory above the inputs. On a CPU shared with other processes,
-pass ``--threads 1``: with more OpenMP threads than idle cores every parallel region stalls on a preempted thread,
-which punishes code with many small ops (ours, slab by slab) far more than one big GEMM. Run::
+values, so all three compute the same product. Reported: best-of-N fwd+bwd wall time (grad w.r.t. the input
+only: the weight is frozen; best of N as ``timeit`` recommends, since other processes only ever add time), the
+ratios ours/dense and ours/torchao, and the bytes saved for backward (``torch.autograd.graph.saved_tensors_hooks``;
+an NF4 weight counts its packed storage). On CUDA also the peak memory above the inputs.
+
+On a CPU shared with other processes, pass ``--threads 1``: with more OpenMP threads than idle cores every parallel
+region stalls on a preempted thread, which punishes code with many small ops (ours, slab by slab) far more than one
+big GEMM. Run::
 
     PYTHONPATH=. python bench/nf4_linear.py [--quick] [--device cpu|cuda] [--dtypes fp32,bf16,fp16] [--threads N]
 """

@@ -146,7 +146,8 @@ def quantize_nf4(
     rounding is monotonic), so they equal the count of 15 thresholds at or below the value, computed once per dtype
     with torchao's own nearest-level function (see :func:`_code_thresholds`). The count is a table lookup on a
     fine grid of [-1, 1] plus one comparison (see :func:`_code_tables`). The double quantization of the block
-    scales is torchao's arithmetic, op for op. The work runs in chunks, so the temporaries stay small. A meta ``tensor`` gives a meta NF4Tensor with the inner tensors ``to_nf4`` would make.
+    scales is torchao's arithmetic, op for op. The work runs in chunks, so the temporaries stay small. A meta
+    ``tensor`` gives a meta NF4Tensor with the inner tensors ``to_nf4`` would make.
 
     Args:
         tensor (torch.Tensor): 2-D float weight. The result does not require grad.
