@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
+	# torchtune appends the cwd to sys.path after site-packages, where its own `recipes` package would win.
+	PYTHONPATH=. $(VENV)/bin/tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
