@@ -150,7 +150,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--cache", default="/tmp/torchtune_ext_bench")
-    parser.add_argument("--notes", default="/work/notes/bench_recipe.md", help="markdown file for the results")
+    parser.add_argument(
+        "--notes", default=None, help="also write the results into this markdown file (default: print only)"
+    )
     parser.add_argument("--worker", choices=["ours", "torchtune"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     cache = Path(args.cache)
@@ -185,7 +187,7 @@ def main() -> None:
         f"`PYTHONPATH=. python bench/load.py --dtypes {args.dtypes}`.",
         "",
         "| compute dtype | ours: time / peak RSS / model | torchtune recipe setup: time / peak RSS / model | "
-        "time ratio | peak RSS ratio (goal <= 0.2x) | logits max diff |",
+        "time ratio | peak RSS ratio | logits max diff |",
         "|---|---|---|---|---|---|",
     ]
     for dtype, ours, theirs, diff in rows:
@@ -195,8 +197,18 @@ def main() -> None:
             f" {theirs['model_bytes'] / GIB:.2f} GiB | {ours['seconds'] / theirs['seconds']:.3f}x | "
             f"{ours['peak_bytes'] / theirs['peak_bytes']:.3f}x | {diff:.1e} |"
         )
-    write_notes_section(Path(args.notes), "bench/load.py", "\n".join(lines))
-    print(f"rows written to {args.notes}")
+    lines += [
+        "",
+        "Ours peaks at the NF4 model plus about one tensor in flight; torchtune's holds the whole checkpoint as a "
+        "state dict while it builds (and quantizes) the model. In fp32 the two models' logits differ: torchtune's "
+        "`load_state_dict` quantizes the bf16 checkpoint tensors in bf16 (torchao's `NF4Tensor.copy_` uses the source "
+        "dtype) while ours casts them to the compute dtype first; from an fp32 checkpoint both give identical models "
+        "(tests/torchtune_ext/training/test_checkpointing.py). On CPU most of both loaders' time is NF4 quantization.",
+    ]
+    print("\n".join(lines))
+    if args.notes:
+        write_notes_section(Path(args.notes), "bench/load.py", "\n".join(lines))
+        print(f"rows written to {args.notes}")
 
 
 if __name__ == "__main__":

@@ -134,7 +134,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--base", default="/tmp/torchtune_ext_bench/tiny_base")
-    parser.add_argument("--notes", default="/work/notes/bench_recipe.md", help="markdown file for the results")
+    parser.add_argument(
+        "--notes", default=None, help="also write the results into this markdown file (default: print only)"
+    )
     parser.add_argument("--worker", choices=["ours", "torchtune"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -191,8 +193,10 @@ def main() -> None:
             f"{theirs['peak_bytes'] / GIB:.3f} GiB | {ours['peak_bytes'] / theirs['peak_bytes']:.2f}x | "
             f"{ours['first_loss']:.4f} / {theirs['first_loss']:.4f} |"
         )
-    write_notes_section(Path(args.notes), f"bench/recipe.py {args.device}", "\n".join(lines))
-    print(f"rows written to {args.notes}")
+    print("\n".join(lines))
+    if args.notes:
+        write_notes_section(Path(args.notes), f"bench/recipe.py {args.device}", "\n".join(lines))
+        print(f"rows written to {args.notes}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ is done, and peak RSS above the RSS before the call):
 Before timing, the script checks that ours and torchtune's gathered dicts are equal, and that both loads give equal
 models. Run::
 
-    PYTHONPATH=. python bench/state_dict.py [--repeats 2] [--out /work/notes/bench_state_dict.md]
+    PYTHONPATH=. python bench/state_dict.py [--repeats 2] [--out FILE]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ CPU peak RSS during the timed training steps (the kernel's high-water mark, rese
 RSS measured after imports and also for the whole process, plus the process's lifetime peak RSS; on CUDA also
 ``torch.cuda.max_memory_allocated`` during the steps. Run::
 
-    PYTHONPATH=. python bench/vocab_pruning.py [--steps 3] [--dtype bf16] [--out /work/notes/bench_vocab_pruning.md]
+    PYTHONPATH=. python bench/vocab_pruning.py [--steps 3] [--dtype bf16] [--out FILE]
 """
 
 from __future__ import annotations

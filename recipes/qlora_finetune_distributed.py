@@ -23,7 +23,8 @@ file name plus ``--nproc_per_node``), with these additions:
   train in fp32, ``sharding: sharded`` (their own FSDP unit, fp32 params and reduce dtype; batches are right-padded
   to a multiple of the loss's output chunks so that every rank calls the unit equally often) or ``replicated``
   (every rank holds them, gradients all-reduced in fp32). The merged checkpoint is exported with the full
-  vocabulary (trained rows in place, the base's elsewhere); the PEFT adapter holds the LoRA weights only.
+  vocabulary (trained rows in place, the base's elsewhere); the PEFT adapter carries trained rows as PEFT
+  trainable tokens (``trainable_token_indices``: ``embed_tokens``, and ``lm_head`` when untied).
 - Logs (rank 0): loss, lr, tokens/s (global and per rank), grad norm, loss scale and skipped steps (fp16), memory
   of every rank (``peak_rss/rank<r>``, and CUDA peaks on GPUs).
 - Saving gathers adapters only (``get_full_state_dict(adapter_weights_only=True)``) unless the merged model is
@@ -37,13 +38,12 @@ import random
 import sys
 import time
 from functools import partial
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, ListConfig
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -51,8 +51,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
-from torchtune.datasets import ConcatDataset
-from torchtune.modules.peft import get_adapter_params, get_lora_module_names, set_trainable_params
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
@@ -61,17 +60,13 @@ import torchtune_ext  # noqa: F401  (registers the NF4 ops current PyTorch needs
 from torchtune_ext.modules.low_precision import dequantize_nf4
 from torchtune_ext.modules.peft import DoRALinear, LoRALinear
 from torchtune_ext.modules.vocab_pruning import (
-    collect_token_ids,
     export_full_vocab_state_dict,
-    load_kept_ids,
     prune_state_dict,
     prune_vocab_,
-    validate_kept_ids,
 )
 from torchtune_ext.training import _safetensors
 from torchtune_ext.training._checkpointing import QLoRAHFCheckpointer
 from torchtune_ext.training._distributed import (
-    VOCAB_PRUNING_SHARDING,
     DistributedLossScaler,
     GatheredModelView,
     all_reduce_grads,
@@ -90,27 +85,24 @@ from torchtune_ext.training._distributed import (
 from torchtune_ext.training._hf import HFConverter
 from torchtune_ext.training._metrics import Throughput, format_memory_stats
 from torchtune_ext.training._precision import check_param_dtypes, default_adapter_dtype, parse_dtype
+from torchtune_ext.training._recipe_utils import (
+    LoRASettings,
+    build_dataset,
+    build_qlora_model,
+    is_vocab_key,
+    parse_vocab_pruning,
+    positive_int,
+    read_base_vocab_state,
+    resolve_kept_ids,
+)
 from torchtune_ext.training._state_dict import get_full_state_dict
 from torchtune_ext.training._state_dict_load import load_full_state_dict
 from torchtune_ext.training._state_dict_utils import unwrap_key
 
 log = utils.get_logger("INFO")
 
-#: state-dict keys of the base model that vocab pruning replaces.
-_VOCAB_KEYS = ("tok_embeddings.weight", "output.")
 #: rank 0 reads the base checkpoint in chunks of about this many bytes.
 _LOAD_CHUNK_BYTES = 1 << 30
-
-
-def _positive_int(cfg: DictConfig, key: str, default: Optional[int]) -> Optional[int]:
-    value = cfg.get(key, default)
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"{key}={value!r} must be a positive integer{' or null' if default is None else ''}.")
-    return value
-
-
-def _is_vocab_key(key: str) -> bool:
-    return key == _VOCAB_KEYS[0] or key.startswith(_VOCAB_KEYS[1])
 
 
 class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
@@ -138,18 +130,18 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._process_group_timeout_s = cfg.get("process_group_timeout_s", 1800)
 
         self._output_dir = cfg.output_dir
-        self._log_every_n_steps = _positive_int(cfg, "log_every_n_steps", 1)
-        self._gradient_accumulation_steps = _positive_int(cfg, "gradient_accumulation_steps", 1)
+        self._log_every_n_steps = positive_int(cfg, "log_every_n_steps", 1)
+        self._gradient_accumulation_steps = positive_int(cfg, "gradient_accumulation_steps", 1)
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._batch_size = per_rank_batch_size(
-            _positive_int(cfg, "batch_size", 1), _positive_int(cfg, "global_batch_size", None), self.world_size
+            positive_int(cfg, "batch_size", 1), positive_int(cfg, "global_batch_size", None), self.world_size
         )
-        self.total_epochs = _positive_int(cfg, "epochs", 1)
-        self.max_steps_per_epoch = _positive_int(cfg, "max_steps_per_epoch", None)
-        self._stop_after_step = _positive_int(cfg, "stop_after_step", None)
-        self._save_every_n_steps = _positive_int(cfg, "save_every_n_steps", None)
-        self._run_val_every_n_steps = _positive_int(cfg, "run_val_every_n_steps", None)
-        self._max_validation_steps = _positive_int(cfg, "max_validation_steps", None)
+        self.total_epochs = positive_int(cfg, "epochs", 1)
+        self.max_steps_per_epoch = positive_int(cfg, "max_steps_per_epoch", None)
+        self._stop_after_step = positive_int(cfg, "stop_after_step", None)
+        self._save_every_n_steps = positive_int(cfg, "save_every_n_steps", None)
+        self._run_val_every_n_steps = positive_int(cfg, "run_val_every_n_steps", None)
+        self._max_validation_steps = positive_int(cfg, "max_validation_steps", None)
         self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
         self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
         self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
@@ -159,7 +151,7 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 "enable_activation_offloading is not supported by this recipe; use "
                 "enable_activation_checkpointing=True to save activation memory."
             )
-        self._vocab_pruning_cfg = self._parse_vocab_pruning(cfg.get("vocab_pruning", None))
+        self._vocab_pruning_cfg = parse_vocab_pruning(cfg.get("vocab_pruning", None))
 
         self.seed: Optional[int] = None
         self.epochs_run = 0
@@ -178,27 +170,6 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         random.seed(self.seed)
         np.random.seed(self.seed)
 
-    @staticmethod
-    def _parse_vocab_pruning(section: Optional[DictConfig]) -> Optional[Dict[str, Any]]:
-        if section is None or not section.get("enabled", True):
-            return None
-        known = {"enabled", "kept_ids", "dtype", "sharding", "unknown_token_id", "trainable"}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ValueError(f"vocab_pruning has unknown key(s) {unknown}; known keys: {sorted(known)}.")
-        sharding = section.get("sharding", "sharded")
-        if sharding not in VOCAB_PRUNING_SHARDING:
-            raise ValueError(
-                f"vocab_pruning.sharding={sharding!r} is not supported; use one of {list(VOCAB_PRUNING_SHARDING)}."
-            )
-        return {
-            "kept_ids": section.get("kept_ids", None),
-            "dtype": parse_dtype(section.get("dtype", "fp32"), torch.device("cpu"), "vocab_pruning.dtype"),
-            "sharding": sharding,
-            "unknown_token_id": section.get("unknown_token_id", None),
-            "trainable": bool(section.get("trainable", True)),
-        }
-
     # ---------------------------------------------------------------------------------------------------- setup
 
     def setup(self, cfg: DictConfig) -> None:
@@ -212,15 +183,16 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 config.instantiate(cfg.generate_base_checkpoint)
             dist.barrier()
         self._checkpointer: QLoRAHFCheckpointer = config.instantiate(cfg.checkpointer)
-        self._model = self._build_model(cfg.model)
+        self._lora = LoRASettings.from_config(cfg.model)
+        self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype)
         self._checkpointer.validate(self._model)
         self._converter = HFConverter.for_model(self._checkpointer.model_type, self._model)
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
-        dataset = self._build_dataset(cfg.dataset)
+        dataset = build_dataset(cfg.dataset, self._tokenizer)
         check_dataset_size(len(dataset), self._batch_size, self.world_size)
         val_cfg = cfg.get("dataset_val", None)
-        val_dataset = self._build_dataset(val_cfg) if val_cfg is not None else None
+        val_dataset = build_dataset(val_cfg, self._tokenizer) if val_cfg is not None else None
         if val_dataset is not None:
             check_dataset_size(len(val_dataset), self._batch_size, self.world_size)
         if self._vocab_pruning_cfg is not None:
@@ -288,46 +260,13 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         memory = gather_memory_stats(self._device)
         utils.log_rank_zero(log, f"Memory after setup: {format_memory_stats(memory)}")
 
-    def _build_model(self, cfg_model: DictConfig) -> nn.Module:
-        """Builds the QLoRA model on the meta device (no memory); shape errors (NF4) surface here."""
-        self._lora_rank = cfg_model.lora_rank
-        self._lora_alpha = cfg_model.lora_alpha
-        self._lora_dropout = cfg_model.get("lora_dropout", 0.0)
-        self._use_dora = cfg_model.get("use_dora", False)
-        self._lora_attn_modules = list(cfg_model.lora_attn_modules)
-        self._apply_lora_to_mlp = cfg_model.get("apply_lora_to_mlp", False)
-        self._apply_lora_to_output = cfg_model.get("apply_lora_to_output", False)
-        try:
-            return config.instantiate(
-                cfg_model, dtype=self._dtype, adapter_dtype=self._adapter_dtype, device="meta"
-            )
-        except TypeError as err:
-            if "dtype" not in str(err) and "device" not in str(err):
-                raise
-            raise ValueError(
-                f"model._component_={cfg_model._component_} is not a torchtune_ext QLoRA builder (it does not take "
-                "dtype/adapter_dtype/device); use e.g. torchtune_ext.models.qlora_llama3_1_8b."
-            ) from err
-
-    def _build_dataset(self, cfg_dataset: Any):
-        if isinstance(cfg_dataset, ListConfig):
-            return ConcatDataset(datasets=[config.instantiate(c, self._tokenizer) for c in cfg_dataset])
-        return config.instantiate(cfg_dataset, self._tokenizer)
-
     def _resolve_kept_ids(self, dataset, val_dataset) -> List[int]:
-        """The kept token ids: from ``vocab_pruning.kept_ids`` (a file), else every id the data uses plus the
-        tokenizer's special ids. Every rank computes the same list (no collective before the model exists)."""
+        """The kept token ids (a file, else the ids the data uses). Every rank computes the same list (no
+        collective before the model exists)."""
         vocab_size = self._model.tok_embeddings.num_embeddings
-        source = self._vocab_pruning_cfg["kept_ids"]
-        if source is not None:
-            ids = load_kept_ids(source, vocab_size=vocab_size)
-        else:
-            special = [getattr(self._tokenizer, name, None) for name in ("bos_id", "eos_id", "pad_id")]
-            data = list(dataset) + (list(val_dataset) if val_dataset is not None else [])
-            ids = collect_token_ids(data, always_keep=special, vocab_size=vocab_size)
-        validate_kept_ids(ids, vocab_size)
+        ids = resolve_kept_ids(self._vocab_pruning_cfg["kept_ids"], vocab_size, self._tokenizer, [dataset, val_dataset])
         utils.log_rank_zero(log, f"Vocab pruning: keeping {len(ids)} of {vocab_size} token ids.")
-        return list(ids)
+        return ids
 
     def _check_recipe_state(self, state: Dict[str, Any]) -> None:
         if state["dtype"] != str(self._dtype):
@@ -464,7 +403,7 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         vocab: Dict[str, torch.Tensor] = {}
         for state in chunks:
             if state is not None and self._pruning is not None:
-                vocab.update({k: state.pop(k) for k in list(state) if _is_vocab_key(k)})
+                vocab.update({k: state.pop(k) for k in list(state) if is_vocab_key(k)})
             self._load(state, broadcast_from_rank0=True)
             del state
         if self._pruning is not None:
@@ -588,28 +527,13 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
             }
         self._optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
 
-    def _base_vocab_state(self) -> Dict[str, torch.Tensor]:
-        """The base checkpoint's full-vocabulary embedding/output tensors (torchtune keys), read on rank 0."""
-        vocab = {}
-        for path in self._checkpointer.checkpoint_paths:
-            wanted = [hf_key for hf_key, info in _safetensors.read_header(path).items()
-                      if _is_vocab_key(self._tune_key(hf_key, info["shape"]))]
-            if wanted:
-                with safe_open(path, framework="pt") as f:
-                    for hf_key in wanted:
-                        key, tensor = self._converter.to_tune(hf_key, f.get_tensor(hf_key))
-                        vocab[key] = tensor
-        return vocab
-
-    def _tune_key(self, hf_key: str, shape: Sequence[int]) -> str:
-        converted = self._converter.to_tune(hf_key, torch.empty(shape, device="meta"))
-        return "" if converted is None else converted[0]
-
     def _exportable(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """A gathered state dict under the unpruned model's keys and shapes (full vocabulary)."""
         if self._pruning is None:
             return state_dict
-        return export_full_vocab_state_dict(state_dict, self._base_vocab_state(), self._kept_ids)
+        return export_full_vocab_state_dict(
+            state_dict, read_base_vocab_state(self._checkpointer.checkpoint_paths, self._converter), self._kept_ids
+        )
 
     def _recipe_state(
         self, adapters: Dict[str, torch.Tensor], optimizer: Dict[str, Any], rng: List[Any], end_of_epoch: bool
@@ -656,15 +580,7 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
             self._last_checkpoint = self._checkpointer.save(
                 GatheredModelView(self._model, self._exportable(state_dict)),
                 step=self.global_step,
-                adapter_config=dict(
-                    target_modules=get_lora_module_names(
-                        list(self._lora_attn_modules), self._apply_lora_to_mlp, self._apply_lora_to_output
-                    ),
-                    rank=self._lora_rank,
-                    alpha=self._lora_alpha,
-                    dropout=self._lora_dropout,
-                    use_dora=self._use_dora,
-                ),
+                adapter_config=self._lora.adapter_config(self._pruning),
                 save_merged=save_merged,
                 dtype=self._dtype,
             )

@@ -1,9 +1,11 @@
 """QLoRA fine-tuning on one device (CUDA, CPU, ...) with an fp32, bf16 or fp16 compute dtype.
 
-Run from a clone::
+Run from a clone (``PYTHONPATH=.``: torchtune installs a top-level ``recipes`` package that would shadow this
+folder; ``python recipes/qlora_finetune_single_device.py --config ...`` works too)::
 
-    tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
-    tune run recipes/qlora_finetune_single_device.py --config configs/llama3_2/1B_qlora_single_device.yaml dtype=fp32
+    PYTHONPATH=. tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
+    PYTHONPATH=. tune run recipes/qlora_finetune_single_device.py \
+        --config configs/llama3_2/1B_qlora_single_device.yaml dtype=fp32
 
 Follows torchtune's ``lora_finetune_single_device`` (same data pipeline, loss, gradient accumulation by token
 count, LR schedule and logging), with these differences:
@@ -23,6 +25,9 @@ count, LR schedule and logging), with these differences:
 - Logs every step: loss, lr, tokens/s, grad norm, (fp16) loss scale and skipped steps, memory (CUDA peak
   allocated / reserved / active; the process's peak RSS); TensorBoard by default; a tqdm bar; optional
   validation loss every ``run_val_every_n_steps`` on ``dataset_val``.
+- ``vocab_pruning`` (as in the distributed recipe; ``sharding`` does not apply): train over the token ids the data
+  uses (or a kept-ids file), the kept embedding/output rows in their own dtype (fp32 by default); the merged
+  checkpoint is exported with the full vocabulary and the PEFT adapter carries trained rows as PEFT trainable tokens.
 - ``stop_after_step`` ends a run early with a resumable checkpoint (the LR schedule still spans the whole run),
   e.g. to split training across time-limited sessions; ``save_every_n_steps`` saves resumable checkpoints.
 
@@ -35,35 +40,38 @@ import random
 import sys
 import time
 from functools import partial
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig
-from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
-from torchtune.datasets import ConcatDataset
-from torchtune.modules.peft import get_adapter_params, get_lora_module_names, set_trainable_params
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 import torchtune_ext  # noqa: F401  (registers the NF4 ops current PyTorch needs)
+from torchtune_ext.modules.vocab_pruning import VocabPruning, export_full_vocab_state_dict, prune_vocab_
 from torchtune_ext.training._checkpointing import QLoRAHFCheckpointer, check_materialized, materialize_adapters_
+from torchtune_ext.training._distributed import GatheredModelView
+from torchtune_ext.training._hf import HFConverter
 from torchtune_ext.training._metrics import Throughput, format_memory_stats, memory_stats
 from torchtune_ext.training._precision import LossScaler, check_param_dtypes, default_adapter_dtype, parse_dtype
+from torchtune_ext.training._recipe_utils import (
+    LoRASettings,
+    build_dataset,
+    build_qlora_model,
+    parse_vocab_pruning,
+    positive_int,
+    read_base_vocab_state,
+    resolve_kept_ids,
+)
 
 log = utils.get_logger("INFO")
-
-
-def _positive_int(cfg: DictConfig, key: str, default: Optional[int]) -> Optional[int]:
-    value = cfg.get(key, default)
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"{key}={value!r} must be a positive integer{' or null' if default is None else ''}.")
-    return value
 
 
 class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
@@ -83,20 +91,23 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._adapter_dtype = default_adapter_dtype(self._dtype, cfg.get("adapter_dtype", None))
 
         self._output_dir = cfg.output_dir
-        self._log_every_n_steps = _positive_int(cfg, "log_every_n_steps", 1)
-        self._gradient_accumulation_steps = _positive_int(cfg, "gradient_accumulation_steps", 1)
+        self._log_every_n_steps = positive_int(cfg, "log_every_n_steps", 1)
+        self._gradient_accumulation_steps = positive_int(cfg, "gradient_accumulation_steps", 1)
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
-        self._batch_size = _positive_int(cfg, "batch_size", 1)
-        self.total_epochs = _positive_int(cfg, "epochs", 1)
-        self.max_steps_per_epoch = _positive_int(cfg, "max_steps_per_epoch", None)
-        self._stop_after_step = _positive_int(cfg, "stop_after_step", None)
-        self._save_every_n_steps = _positive_int(cfg, "save_every_n_steps", None)
-        self._run_val_every_n_steps = _positive_int(cfg, "run_val_every_n_steps", None)
-        self._max_validation_steps = _positive_int(cfg, "max_validation_steps", None)
+        self._batch_size = positive_int(cfg, "batch_size", 1)
+        self.total_epochs = positive_int(cfg, "epochs", 1)
+        self.max_steps_per_epoch = positive_int(cfg, "max_steps_per_epoch", None)
+        self._stop_after_step = positive_int(cfg, "stop_after_step", None)
+        self._save_every_n_steps = positive_int(cfg, "save_every_n_steps", None)
+        self._run_val_every_n_steps = positive_int(cfg, "run_val_every_n_steps", None)
+        self._max_validation_steps = positive_int(cfg, "max_validation_steps", None)
         self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
         self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
         self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
         self._compile = cfg.get("compile", False)
+        self._vocab_pruning_cfg = parse_vocab_pruning(cfg.get("vocab_pruning", None))
+        self._pruning: Optional[VocabPruning] = None
+        self._kept_ids: Optional[List[int]] = None
         if cfg.get("enable_activation_offloading", False):
             raise ValueError(
                 "enable_activation_offloading is not supported by this recipe; use "
@@ -119,13 +130,29 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         if cfg.get("generate_base_checkpoint", None) is not None:
             config.instantiate(cfg.generate_base_checkpoint)
         self._checkpointer: QLoRAHFCheckpointer = config.instantiate(cfg.checkpointer)
-        self._model = self._build_model(cfg.model)
+        self._lora = LoRASettings.from_config(cfg.model)
+        self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype)
         self._checkpointer.validate(self._model)
+        self._converter = HFConverter.for_model(self._checkpointer.model_type, self._model)
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
-        dataset = self._build_dataset(cfg.dataset)
+        dataset = build_dataset(cfg.dataset, self._tokenizer)
         val_cfg = cfg.get("dataset_val", None)
-        val_dataset = self._build_dataset(val_cfg) if val_cfg is not None else None
+        val_dataset = build_dataset(val_cfg, self._tokenizer) if val_cfg is not None else None
+        batches = len(dataset) // self._batch_size
+        if batches < self._gradient_accumulation_steps:
+            raise ValueError(
+                f"The data set gives {batches} batches of batch_size={self._batch_size}, fewer than "
+                f"gradient_accumulation_steps={self._gradient_accumulation_steps}: lower either."
+            )
+        if self._vocab_pruning_cfg is not None:
+            vocab_size = self._model.tok_embeddings.num_embeddings
+            self._kept_ids = resolve_kept_ids(
+                self._vocab_pruning_cfg["kept_ids"], vocab_size, self._tokenizer, [dataset, val_dataset]
+            )
+            log.info(f"Vocab pruning: keeping {len(self._kept_ids)} of {vocab_size} token ids.")
+        self._loss_scaler = LossScaler(enabled=self._dtype == torch.float16, device=self._device,
+                                       **cfg.get("loss_scaler", {}))
         state = self._checkpointer.load_recipe_state() if self._resume_from_checkpoint else None
         if state is not None:
             self._check_recipe_state(state)
@@ -134,10 +161,8 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
 
-        self._load_model(cfg, state)
+        self._load_model(state)
         self._optimizer = config.instantiate(cfg.optimizer, list(self._adapter_params.values()))
-        self._loss_scaler = LossScaler(enabled=self._dtype == torch.float16, device=self._device,
-                                       **cfg.get("loss_scaler", {}))
         if self._compile:
             self._loss_fn = training.compile_loss(self._loss_fn)
         if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
@@ -156,11 +181,6 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        if self._steps_per_epoch == 0:
-            raise ValueError(
-                f"The data set gives {len(self._dataloader)} batches, fewer than gradient_accumulation_steps="
-                f"{self._gradient_accumulation_steps}: lower batch_size or gradient_accumulation_steps."
-            )
         if state is not None:
             self._optimizer.load_state_dict(state["optimizer"])
             self._loss_scaler.load_state_dict(state["loss_scaler"])
@@ -181,42 +201,28 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         log.info(f"Memory after setup: {format_memory_stats(memory_stats(self._device))}")
 
-    def _build_model(self, cfg_model: DictConfig) -> nn.Module:
-        """Builds the QLoRA model on the meta device (no memory); shape errors (NF4) surface here."""
-        self._lora_rank = cfg_model.lora_rank
-        self._lora_alpha = cfg_model.lora_alpha
-        self._lora_dropout = cfg_model.get("lora_dropout", 0.0)
-        self._use_dora = cfg_model.get("use_dora", False)
-        self._lora_attn_modules = list(cfg_model.lora_attn_modules)
-        self._apply_lora_to_mlp = cfg_model.get("apply_lora_to_mlp", False)
-        self._apply_lora_to_output = cfg_model.get("apply_lora_to_output", False)
-        try:
-            return config.instantiate(
-                cfg_model, dtype=self._dtype, adapter_dtype=self._adapter_dtype, device="meta"
-            )
-        except TypeError as err:
-            if "dtype" not in str(err) and "device" not in str(err):
-                raise
-            raise ValueError(
-                f"model._component_={cfg_model._component_} is not a torchtune_ext QLoRA builder (it does not take "
-                "dtype/adapter_dtype/device); use e.g. torchtune_ext.models.qlora_llama3_2_1b."
-            ) from err
-
-    def _build_dataset(self, cfg_dataset: Any):
-        if isinstance(cfg_dataset, ListConfig):
-            return ConcatDataset(datasets=[config.instantiate(c, self._tokenizer) for c in cfg_dataset])
-        return config.instantiate(cfg_dataset, self._tokenizer)
-
-    def _load_model(self, cfg: DictConfig, state: Optional[Dict[str, Any]]) -> None:
+    def _load_model(self, state: Optional[Dict[str, Any]]) -> None:
         start = time.perf_counter()
         self._checkpointer.load_base(self._model, self._device)
         materialize_adapters_(self._model, self._device)
         check_materialized(self._model)
+        pruning_cfg = self._vocab_pruning_cfg
+        if pruning_cfg is not None:
+            # The pruned module's (overwritten) init must not shift the RNG streams dropout and data draw from.
+            with torch.random.fork_rng(devices=[self._device] if self._device.type == "cuda" else []):
+                self._pruning = prune_vocab_(
+                    self._model, self._kept_ids, dtype=pruning_cfg["dtype"],
+                    unknown_token_id=pruning_cfg["unknown_token_id"], trainable=pruning_cfg["trainable"],
+                )
         self._adapter_params = get_adapter_params(self._model)
         if state is not None:
             self._load_adapter_state(state["adapter"])
         set_trainable_params(self._model, self._adapter_params)
-        check_param_dtypes(self._adapter_params.items(), self._adapter_dtype, "adapter")
+        # LoRA/DoRA params in the adapter dtype; pruned rows (and a pruned output's adapters) in the pruning dtype.
+        check_param_dtypes(
+            [(k, p) for k, p in self._adapter_params.items() if not k.startswith("tok_embeddings.")],
+            self._adapter_dtype, "adapter",
+        )
         if self._enable_activation_checkpointing:
             training.set_activation_checkpointing(
                 self._model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
@@ -225,7 +231,8 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             training.compile_model(self._model)
         log.info(
             f"Loaded {self._checkpointer.checkpoint_dir} into NF4 in {time.perf_counter() - start:.1f} s: compute "
-            f"dtype {self._dtype}, adapters {self._adapter_dtype}, device {self._device}."
+            f"dtype {self._dtype}, adapters {self._adapter_dtype}, device {self._device}"
+            + (f", vocab pruning in {pruning_cfg['dtype']}" if pruning_cfg else "") + "."
         )
 
     @torch.no_grad()
@@ -233,7 +240,7 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         if set(adapter_state) != set(self._adapter_params):
             raise ValueError(
                 "The recipe state's adapters do not match the model's (different lora_attn_modules, "
-                "apply_lora_to_mlp or lora_rank?): "
+                "apply_lora_to_mlp, lora_rank or vocab_pruning?): "
                 f"{sorted(set(adapter_state) ^ set(self._adapter_params))[:4]}"
             )
         for name, value in adapter_state.items():
@@ -248,10 +255,18 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         if state["seed"] != self.seed:
             log.warning(f"Config seed {self.seed} differs from the checkpoint's; using {state['seed']}.")
             self.seed = state["seed"]
+        if state.get("kept_ids") != self._kept_ids:
+            raise ValueError(
+                "The recipe state's vocab pruning (kept token ids) differs from this run's; resume with the same "
+                "vocab_pruning settings and data."
+            )
         self.epochs_run = state["epochs_run"]
         self.global_step = state["global_step"]
         self._steps_in_epoch_done = state["steps_in_epoch_done"]
-        self.max_steps_per_epoch = state["max_steps_per_epoch"]
+        if state["max_steps_per_epoch"] != self.max_steps_per_epoch:
+            log.warning(f"Config max_steps_per_epoch={self.max_steps_per_epoch} differs from the checkpoint's; using "
+                        f"{state['max_steps_per_epoch']}.")
+            self.max_steps_per_epoch = state["max_steps_per_epoch"]
 
     def _setup_data(self, dataset, cfg_dataset: Any, shuffle: bool, collate_fn: str, drop_last: bool):
         packed = getattr(dataset, "packed", False) if isinstance(cfg_dataset, ListConfig) else \
@@ -303,7 +318,17 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             # A new epoch starts a fresh pass over the data.
             "dataloader": None if end_of_epoch else self._dataloader.state_dict(),
             "rng": self._rng_state(),
+            "kept_ids": self._kept_ids,
         }
+
+    def _exportable_model(self) -> Any:
+        """The model as the checkpointer should see it: a vocab-pruned one under the unpruned model's keys and
+        shapes (the trained rows written into the base's full-vocabulary tensors)."""
+        if self._pruning is None:
+            return self._model
+        base_vocab = read_base_vocab_state(self._checkpointer.checkpoint_paths, self._converter)
+        state = export_full_vocab_state_dict(self._model.state_dict(keep_vars=True), base_vocab, self._kept_ids)
+        return GatheredModelView(self._model, state)
 
     def save_checkpoint(self, epoch: int, end_of_epoch: bool = True, full: bool = True) -> None:
         """Saves the recipe state, the adapter (PEFT) and optionally the merged model.
@@ -317,17 +342,9 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         # Saved at the end too: a finished run can be extended by raising `epochs` and resuming.
         self._checkpointer.save_recipe_state(self._recipe_state(end_of_epoch))
         self._last_checkpoint = self._checkpointer.save(
-            self._model,
+            self._exportable_model(),
             step=self.global_step,
-            adapter_config=dict(
-                target_modules=get_lora_module_names(
-                    list(self._lora_attn_modules), self._apply_lora_to_mlp, self._apply_lora_to_output
-                ),
-                rank=self._lora_rank,
-                alpha=self._lora_alpha,
-                dropout=self._lora_dropout,
-                use_dora=self._use_dora,
-            ),
+            adapter_config=self._lora.adapter_config(self._pruning),
             save_merged=full and not self._save_adapter_weights_only,
             dtype=self._dtype,
         )
@@ -340,6 +357,8 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         logits = self._model(**batch)
         # Shift labels: equivalent to labels[..., 1:] against logits[..., :-1, :] without slicing the logits.
         labels = torch.hstack((labels[..., 1:], self._ignore_labels_cache[: labels.shape[0]]))
+        if self._pruning is not None:
+            labels = self._pruning.remap_labels(labels, ignore_index=self._loss_fn.ignore_index)
         if not isinstance(logits, list):
             labels = labels.reshape(-1)
             logits = logits.reshape(-1, logits.size(-1))
@@ -379,6 +398,7 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._compile:
             log.info("torch.compile is enabled: the first iterations are slow.")
         throughput = Throughput()
+        self._first_step_of_run = self.global_step + 1
         running_loss, num_tokens = 0.0, 0
         for curr_epoch in range(self.epochs_run, self.total_epochs):
             self._sampler.set_epoch(curr_epoch)
@@ -451,8 +471,8 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         checkpoint = getattr(self, "_last_checkpoint", None)
         lines = ["", "Done."]
         if self.loss_history:
-            lines.append(f"  loss: {self.loss_history[0]:.4f} (step 1) -> {self.loss_history[-1]:.4f} "
-                         f"(step {self.global_step})")
+            lines.append(f"  loss: {self.loss_history[0]:.4f} (step {self._first_step_of_run}) -> "
+                         f"{self.loss_history[-1]:.4f} (step {self.global_step})")
         if checkpoint is not None:
             lines.append(f"  adapter (PEFT):      {checkpoint / 'adapter'}")
             if (checkpoint / "merged").is_dir():

@@ -197,17 +197,6 @@ def export(request, interop_python, tmp_path_factory) -> Export:
     return Export(case, run_dir, base_dir, cfg, ours, untrained, kept_ids, hf, report)
 
 
-def _xfail_if_adapter_lacks_trained_rows(export: Export) -> None:
-    """Vocab pruning trains the kept embedding rows, which a LoRA-only PEFT adapter does not carry."""
-    config = OmegaConf.load(export.adapter_dir / "adapter_config.json")
-    if export.case.vocab_pruned and not config.get("trainable_token_indices"):
-        pytest.xfail(
-            "the PEFT adapter of a vocab-pruned run omits the trained embedding rows: adapter_config.json needs "
-            "trainable_token_indices={'embed_tokens': kept_ids} and adapter_model.safetensors "
-            "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta (the K trained rows)"
-        )
-
-
 def test_adapter_is_trained_and_changes_the_logits(export):
     adapter = load_file(export.adapter_dir / "adapter_model.safetensors")
     lora_b = {k: v for k, v in adapter.items() if k.endswith("lora_B.weight")}
@@ -218,6 +207,15 @@ def test_adapter_is_trained_and_changes_the_logits(export):
     # The adapter moves the logits by far more than the tolerance, so a dropped or misplaced adapter fails.
     changed = (export.ours - export.on_ours_vocab(export.ours_untrained)).abs().max()
     assert changed > 1000 * ATOL
+    # Vocab pruning trains the kept embedding rows: the adapter carries them as PEFT trainable tokens.
+    indices = OmegaConf.to_container(OmegaConf.load(export.adapter_dir / "adapter_config.json")).get(
+        "trainable_token_indices")
+    if export.kept_ids is None:
+        assert indices is None
+    else:
+        assert indices == {"embed_tokens": export.kept_ids.tolist()}
+        rows = adapter["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"]
+        assert rows.shape == (len(export.kept_ids), OmegaConf.load(export.base_dir / "config.json").hidden_size)
 
 
 def test_merged_folder_is_a_plain_full_vocabulary_hf_checkpoint(export):
@@ -238,7 +236,6 @@ def test_merged_model_in_transformers_matches_ours(export):
 
 
 def test_peft_adapter_on_the_dequantized_base_matches_ours(export):
-    _xfail_if_adapter_lacks_trained_rows(export)
     torch.testing.assert_close(export.on_ours_vocab(export.hf["peft"]), export.ours, atol=ATOL, rtol=RTOL)
 
 
@@ -247,7 +244,6 @@ def test_peft_adapter_on_the_recorded_base(export):
     moves transformers' logits the way it moves ours. Not equal: the unquantized base differs from the NF4 base
     the adapter was trained on (on this random-init model by ~0.3 in the logits, about as much as the adapter
     moves them), so the two adapter effects differ by ~20%; a misplaced adapter differs by ~100% or more."""
-    _xfail_if_adapter_lacks_trained_rows(export)
     assert Path(export.report["peft_recorded_base"]["folder"]).resolve() == export.base_dir.resolve()
     hf_effect = export.on_ours_vocab(export.hf["peft_recorded_base"] - export.hf["original_base"])
     our_effect = export.ours - export.on_ours_vocab(export.ours_untrained)

@@ -10,6 +10,8 @@ without bf16). Tolerances, measured on CPU with these settings:
   (measured 0.005). Same data, adapters and dropout masks, so these bound the compute dtype's error.
 - resume (6 steps straight vs 3 + resume + 3, with dropout, shuffling and gradient accumulation, and activation
   checkpointing after the resume): losses and final adapters within 1e-5 (measured: identical).
+- vocab pruning keeping every id (shuffled, rows frozen) vs the unpruned run: losses and validation losses
+  within 1e-5 relative (the same function; only the order of the logits and of fp32 sums changes).
 - learning: the tiny default's validation loss after 100 steps is below 60% of the first step's loss (measured
   8.53 -> 3.70, 43%).
 """
@@ -32,6 +34,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from torchtune_ext._compat import to_nf4
 from torchtune_ext.data import write_tiny_checkpoint
+from torchtune_ext.modules.vocab_pruning import save_kept_ids
 from torchtune_ext.training import _precision
 from torchtune_ext.training._hf import HFConverter
 
@@ -335,6 +338,47 @@ def _check_merged(out: Path, base: Path, model_type: str, rank: int, alpha: floa
 
 def test_export_llama_merged_equals_dequantized_base_plus_lora(runs, base):
     _check_merged(runs("fp32", "dtype=fp32"), base, "LLAMA3_2", rank=16, alpha=32)
+
+
+def test_vocab_pruning_keeping_every_id_equals_the_unpruned_run(runs, base, workdir):
+    """All ids kept, in shuffled order (K = V, pruned rows frozen): the same function with permuted logits and
+    remapped labels, so the losses match the unpruned run's; the merged export has the full vocabulary again."""
+    vocab_size = json.loads((base / "config.json").read_text())["vocab_size"]
+    kept_ids = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0)).tolist()
+    kept_file = workdir / "kept_all.json"
+    save_kept_ids(kept_file, kept_ids)
+    reference = runs("fp32", "dtype=fp32")
+    pruned = runs("fp32_pruned_all", "dtype=fp32", "vocab_pruning.enabled=True", f"vocab_pruning.kept_ids={kept_file}",
+                  "vocab_pruning.trainable=False")
+    assert len(losses(pruned)) == STEPS
+    torch.testing.assert_close(losses(pruned), losses(reference), rtol=1e-5, atol=0)
+    val = scalars(reference)["val_loss"]
+    torch.testing.assert_close(scalars(pruned)["val_loss"], val, rtol=1e-5, atol=0)
+    _check_merged(pruned, base, "LLAMA3_2", rank=16, alpha=32)
+    config = json.loads((pruned / f"step_{STEPS}" / "adapter" / "adapter_config.json").read_text())
+    assert "trainable_token_indices" not in config
+    assert torch.load(pruned / "recipe_state" / "recipe_state.pt", weights_only=False)["kept_ids"] == kept_ids
+
+
+def test_vocab_pruning_exports_the_trained_rows(runs, base):
+    """Trained pruned rows (ids collected from the data): the merged embedding holds them at the kept ids and the
+    base's rows elsewhere; the PEFT adapter carries the same rows as trainable tokens."""
+    out = runs("fp32_pruned", "dtype=fp32", "vocab_pruning.enabled=True")
+    kept_ids = torch.load(out / "recipe_state" / "recipe_state.pt", weights_only=False)["kept_ids"]
+    step = out / f"step_{STEPS}"
+    base_embedding = load_file(base / "model.safetensors")["model.embed_tokens.weight"]
+    merged = {k: v for f in (step / "merged").glob("*.safetensors") for k, v in load_file(f).items()}
+    embedding = merged["model.embed_tokens.weight"]
+    assert embedding.shape == base_embedding.shape and 0 < len(kept_ids) < embedding.shape[0]
+    others = torch.ones(embedding.shape[0], dtype=torch.bool)
+    others[kept_ids] = False
+    torch.testing.assert_close(embedding[others], base_embedding[others], rtol=0, atol=0)
+    assert (embedding[kept_ids] - base_embedding[kept_ids]).abs().max() > 1e-4  # the rows trained
+    config = json.loads((step / "adapter" / "adapter_config.json").read_text())
+    assert config["trainable_token_indices"] == {"embed_tokens": kept_ids}
+    adapter = load_file(step / "adapter" / "adapter_model.safetensors")
+    rows = adapter["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"]
+    torch.testing.assert_close(rows, embedding[kept_ids], rtol=0, atol=0)
 
 
 def test_export_qwen_merged_equals_dequantized_base_plus_lora(workdir):

@@ -406,8 +406,10 @@ class QLoRAHFCheckpointer:
 
     def _write_adapter(self, model: nn.Module, folder: Path, adapter_config: Dict[str, Any]) -> None:
         converter = HFConverter.for_model(self.model_type, model)
-        adapters = {k: v for k, v in _unwrapped_state_dict(model).items() if is_adapter_key(k)}
+        state = _unwrapped_state_dict(model)
+        adapters = {k: v for k, v in state.items() if is_adapter_key(k)}
         converted = [converter.to_peft(k, v.detach().to("cpu")) for k, v in adapters.items()]
+        converted += _trainable_token_rows(state, adapter_config.get("trainable_token_indices"))
         specs = [_safetensors.TensorSpec(k, v.shape, v.dtype) for k, v in converted]
         _safetensors.write_tensors(folder / "adapter_model.safetensors", specs, converted)
         config = peft_adapter_config(base_model_name_or_path=self.base_model_name_or_path, **adapter_config)
@@ -426,7 +428,10 @@ class QLoRAHFCheckpointer:
         Args:
             model (nn.Module): the trained QLoRA model.
             step (int): global step, names the folder.
-            adapter_config (Dict[str, Any]): ``target_modules``, ``rank``, ``alpha``, ``dropout``, ``use_dora``.
+            adapter_config (Dict[str, Any]): ``target_modules``, ``rank``, ``alpha``, ``dropout``, ``use_dora``,
+                optionally ``trainable_token_indices`` (``{"embed_tokens": ids}``, plus ``"lm_head"`` when
+                untied): the adapter then also carries those rows of the model's (full-vocabulary) embedding /
+                output weight, as PEFT's trainable tokens.
             save_merged (bool): also write the merged model.
             dtype (torch.dtype): dtype of the merged model's tensors.
 
@@ -471,6 +476,36 @@ class QLoRAHFCheckpointer:
                 "output_dir as the interrupted run, or set checkpointer.recipe_checkpoint to its recipe_state.pt."
             )
         return torch.load(self.recipe_checkpoint, map_location="cpu", weights_only=False)
+
+
+#: PEFT trainable-tokens module name -> (torchtune key of the full-vocabulary weight, PEFT key of its rows).
+_TRAINABLE_TOKEN_KEYS = {
+    "embed_tokens": (
+        "tok_embeddings.weight", "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+    ),
+    "lm_head": ("output.weight", "base_model.model.lm_head.token_adapter.trainable_tokens_delta"),
+}
+
+
+def _trainable_token_rows(
+    state: Dict[str, torch.Tensor], indices: Optional[Dict[str, List[int]]]
+) -> List[Tuple[str, torch.Tensor]]:
+    """The PEFT trainable-tokens tensors: the rows at ``indices[name]`` of each named full-vocabulary weight."""
+    rows = []
+    for name, ids in (indices or {}).items():
+        if name not in _TRAINABLE_TOKEN_KEYS:
+            raise ValueError(
+                f"trainable_token_indices has {name!r}; supported: {sorted(_TRAINABLE_TOKEN_KEYS)}."
+            )
+        tune_key, peft_key = _TRAINABLE_TOKEN_KEYS[name]
+        if tune_key not in state:
+            raise ValueError(
+                f"trainable_token_indices[{name!r}] is set but the model state has no {tune_key!r} (a tied model "
+                "has no separate output weight: pass embed_tokens only)."
+            )
+        weight = state[tune_key].detach().to("cpu")
+        rows.append((peft_key, weight[torch.as_tensor(list(ids), dtype=torch.long)].contiguous()))
+    return rows
 
 
 def _unwrapped_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:

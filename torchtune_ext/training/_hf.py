@@ -168,6 +168,7 @@ def peft_adapter_config(
     dropout: float,
     use_dora: bool,
     base_model_name_or_path: str,
+    trainable_token_indices: Optional[Dict[str, List[int]]] = None,
 ) -> Dict[str, Any]:
     """A PEFT ``adapter_config.json`` that ``peft.PeftModel.from_pretrained`` loads.
 
@@ -178,6 +179,9 @@ def peft_adapter_config(
         dropout (float): LoRA dropout.
         use_dora (bool): DoRA.
         base_model_name_or_path (str): the base model (hub id or local path).
+        trainable_token_indices (Optional[Dict[str, List[int]]]): HF module name (``embed_tokens``, ``lm_head``)
+            -> token ids whose rows the adapter replaces (PEFT's trainable tokens, e.g. vocab pruning's kept
+            ids). None: LoRA only.
 
     Returns:
         Dict[str, Any]: the config.
@@ -186,7 +190,7 @@ def peft_adapter_config(
         {"target_modules": list(target_modules), "r": rank, "lora_alpha": alpha},
         base_model_name_or_path=base_model_name_or_path,
     )
-    return {
+    config = {
         **converted,
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -199,6 +203,9 @@ def peft_adapter_config(
         "modules_to_save": None,
         "use_rslora": False,
     }
+    if trainable_token_indices is not None:
+        config["trainable_token_indices"] = {k: [int(i) for i in v] for k, v in trainable_token_indices.items()}
+    return config
 
 
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -72,7 +72,9 @@ def _install(module, point: str, step: int, marker: str) -> None:
 
         def write_tensors(path, specs, tensors, *args, **kwargs):
             if os.path.basename(str(path)) == "adapter_model.safetensors" and tmp_dir in str(path):
-                def first_then_pause(items=iter(tensors)):
+                items = iter(tensors)
+
+                def first_then_pause():
                     yield next(items)
                     _pause(marker)
 

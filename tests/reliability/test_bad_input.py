@@ -1,0 +1,249 @@
+"""Bad input: every case fails with a clear error (the asserted text names the problem and, where there is one, the
+fix), before anything is written under ``output_dir`` (a fresh output folder is not even created; a resumed one is
+left byte for byte as it was).
+
+Most cases call the single-device recipe's constructor and ``setup`` in-process (fast, and the exception text is
+exact). Cases where the exit code or the launcher matters go through ``tune run`` (the output folder that cannot be
+written; more ranks than samples; kept vocab ids out of range, which only the distributed recipe takes). The
+state-dict tooling's argument errors are library calls.
+"""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from reliability_utils import (
+    DIST_CONFIG,
+    DIST_RECIPE,
+    REPO,
+    SINGLE_CONFIG,
+    SINGLE_RECIPE,
+    assert_no_leftovers,
+    snapshot,
+    tune,
+)
+from safetensors.torch import load_file, save_file
+
+from torchtune_ext.data import write_tiny_checkpoint
+from torchtune_ext.training import _precision
+
+pytestmark = [pytest.mark.integration_test]
+
+VOCAB_SIZE = 512
+RENAMED_FROM, RENAMED_TO = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate.weight"
+
+
+@pytest.fixture(scope="module")
+def recipe_module():
+    spec = importlib.util.spec_from_file_location("reliability_bad_input_recipe", REPO / SINGLE_RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cfg(out: Path, checkpoint_dir: Path, overrides: List[str]):
+    cfg = OmegaConf.merge(OmegaConf.load(SINGLE_CONFIG), OmegaConf.from_dotlist([
+        f"output_dir={out}",
+        f"checkpointer.checkpoint_dir={checkpoint_dir}",
+        "dataset.num_samples=32",
+        "batch_size=4",
+        "max_steps_per_epoch=1",
+        "run_val_every_n_steps=null",
+        "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
+        f"metric_logger.log_dir={out}/logs",
+        *overrides,
+    ]))
+    cfg.pop("generate_base_checkpoint")  # the inputs are prepared by the fixture
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, recipe_module) -> Dict[str, Path]:
+    """The good base checkpoint, broken copies of it, and a resumable output folder (one step of training)."""
+    root = tmp_path_factory.mktemp("inputs")
+    base = write_tiny_checkpoint(root / "base", family="llama", dtype="fp32", seed=0)
+    paths = {"base": base}
+
+    truncated = root / "truncated"
+    shutil.copytree(base, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    paths["truncated"] = truncated
+
+    renamed = root / "renamed"
+    shutil.copytree(base, renamed)
+    tensors = load_file(renamed / "model.safetensors")
+    tensors[RENAMED_TO] = tensors.pop(RENAMED_FROM)
+    save_file(tensors, renamed / "model.safetensors")
+    paths["renamed"] = renamed
+
+    kept = root / "kept_ids.json"
+    kept.write_text(json.dumps([0, 1, 2, VOCAB_SIZE + 7]))
+    paths["kept_out_of_range"] = kept
+    a_file = root / "a_file"
+    a_file.write_text("not a folder")
+    paths["a_file"] = a_file
+
+    trained = root / "trained"
+    cfg = _cfg(trained, base, ["stop_after_step=1", "max_steps_per_epoch=2"])
+    recipe = recipe_module.QLoRAFinetuneRecipeSingleDevice(cfg)
+    recipe.setup(cfg)
+    recipe.train()
+    recipe.cleanup()
+    assert (trained / "recipe_state" / "recipe_state.pt").is_file()
+    paths["trained"] = trained
+    return paths
+
+
+# Each case: config overrides ({name} = a path from `inputs`; {out} = the output folder), the text the error must
+# contain, and how the output folder is prepared: "fresh" (must not be created), "resume" (a copy of the trained
+# run, which must stay unchanged), or "resume:<how the recipe state is damaged>".
+SINGLE_DEVICE_CASES = [
+    pytest.param(["dtype=fp8"], "dtype='fp8' is not supported; use dtype=fp32, dtype=bf16 or dtype=fp16",
+                 "fresh", id="unknown_dtype"),
+    pytest.param(["dtype=bf16", "#no_bf16"], "dtype=bf16 was requested but cpu does not support bf16 (e.g. a T4). "
+                 "Use dtype=fp32", "fresh", id="bf16_where_unsupported"),
+    pytest.param(["dtype=fp16", "adapter_dtype=fp16"],
+                 "adapter_dtype=fp16 is not supported: use adapter_dtype=fp32", "fresh", id="fp16_adapters_in_fp16"),
+    pytest.param(["dtype=fp16", "loss_scaler.growth_intervall=100"], "growth_intervall", "fresh",
+                 id="fp16_unknown_loss_scaler_option"),
+    pytest.param(["model.intermediate_dim=200"], "cannot be NF4-quantized", "fresh", id="nf4_incompatible_dims"),
+    pytest.param(["checkpointer.checkpoint_files=[missing.safetensors]"], "Checkpoint file(s) not found",
+                 "fresh", id="missing_checkpoint_file"),
+    pytest.param(["checkpointer.checkpoint_dir={out}_no_such_model"], "does not exist. Download the model first",
+                 "fresh", id="missing_checkpoint_dir"),
+    pytest.param(["checkpointer.checkpoint_files=[../model.bin]"], "are not safetensors files", "fresh",
+                 id="not_a_safetensors_file"),
+    pytest.param(["checkpointer.checkpoint_dir={truncated}"], "model.safetensors is truncated", "fresh",
+                 id="truncated_checkpoint_file"),
+    pytest.param(["checkpointer.checkpoint_dir={renamed}"], [RENAMED_TO, "layers.0.mlp.w1.weight"], "fresh",
+                 id="checkpoint_keys_do_not_match_the_model"),
+    pytest.param(["model.vocab_size=1024"], "but the configured model expects (1024, 256)", "fresh",
+                 id="checkpoint_shapes_do_not_match_the_model"),
+    pytest.param(["checkpointer.model_type=GPT2"], "checkpointer.model_type='GPT2' is not supported", "fresh",
+                 id="unknown_model_type"),
+    pytest.param(["output_dir={base}/out"], "is inside checkpointer.checkpoint_dir", "fresh",
+                 id="output_dir_inside_the_base_model"),
+    pytest.param(["dataset.num_samples=0"], "The data set gives 0 batches", "fresh", id="empty_data_set"),
+    pytest.param(["tokenizer.max_seq_len=4"], "max_seq_len", "fresh", id="max_seq_len_smaller_than_a_prompt"),
+    pytest.param(["batch_size=0"], "batch_size=0 must be a positive integer", "fresh", id="zero_batch_size"),
+    pytest.param(["vocab_pruning.enabled=True", "vocab_pruning.kept_ids={kept_out_of_range}"],
+                 f"kept_ids has 1 id(s) outside the vocabulary [0, {VOCAB_SIZE}): [{VOCAB_SIZE + 7}]", "fresh",
+                 id="vocab_pruning_ids_out_of_range"),
+    pytest.param(["resume_from_checkpoint=True"], "resume_from_checkpoint=True but", "fresh",
+                 id="resume_without_recipe_state"),
+    pytest.param(["resume_from_checkpoint=True"], "is not a readable recipe state", "resume:garbage",
+                 id="corrupt_recipe_state"),
+    pytest.param(["resume_from_checkpoint=True"], "is not a readable recipe state", "resume:truncated",
+                 id="truncated_recipe_state"),
+    pytest.param(["resume_from_checkpoint=True", "model.lora_rank=8"], "do not match the model's", "resume",
+                 id="resume_with_another_lora_rank"),
+    pytest.param(["resume_from_checkpoint=True", "model.lora_attn_modules=[q_proj,v_proj]"],
+                 "do not match the model's", "resume", id="resume_with_other_lora_modules"),
+    pytest.param(["resume_from_checkpoint=True", "dtype=bf16"],
+                 "The recipe state was saved with dtype torch.float32 but this run uses torch.bfloat16", "resume",
+                 id="resume_with_another_dtype"),
+]
+
+
+def _damage(state_file: Path, how: str) -> None:
+    if how == "garbage":
+        state_file.write_bytes(b"\x00not a recipe state" * 100)
+    elif how == "truncated":
+        data = state_file.read_bytes()
+        state_file.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("overrides, message, output", SINGLE_DEVICE_CASES)
+def test_single_device_bad_input_fails_before_writing(recipe_module, inputs, tmp_path, monkeypatch, overrides,
+                                                      message, output):
+    out = tmp_path / "out"
+    if output.startswith("resume"):
+        shutil.copytree(inputs["trained"], out)
+        if ":" in output:
+            _damage(out / "recipe_state" / "recipe_state.pt", output.split(":")[1])
+    if "#no_bf16" in overrides:  # a device without bf16 (e.g. a T4), simulated
+        monkeypatch.setattr(_precision, "is_bf16_supported", lambda device: False)
+    values = {**{k: str(v) for k, v in inputs.items()}, "out": str(out)}
+    cfg = _cfg(out, inputs["base"], [o.format(**values) for o in overrides if not o.startswith("#")])
+    out = Path(cfg.output_dir)
+    before = snapshot(out)
+
+    with pytest.raises(Exception) as raised:
+        recipe = recipe_module.QLoRAFinetuneRecipeSingleDevice(cfg)
+        recipe.setup(cfg)
+    text = str(raised.value)
+    for expected in [message] if isinstance(message, str) else message:
+        assert expected in text, f"expected {expected!r} in the error, got {type(raised.value).__name__}: {text}"
+    assert snapshot(out) == before, f"written before the error: {sorted(set(snapshot(out)) - set(before))}"
+    if not before:
+        assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------- tune run
+
+
+def test_output_folder_not_writable_fails_with_exit_code(inputs, tmp_path):
+    out = inputs["a_file"] / "out"  # a folder below a regular file can never be created (even by root)
+    run = tune(SINGLE_RECIPE, SINGLE_CONFIG, [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}",
+                                              "dataset.num_samples=32"], tmp_path / "run.log")
+    rc = run.wait()
+    assert rc != 0
+    assert_no_leftovers([run])
+    assert f"output_dir={str(out)!r} is not writable" in run.output, run.output[-3000:]
+    assert inputs["a_file"].read_text() == "not a folder"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc, overrides, message", [
+    pytest.param(2, ["dataset.num_samples=1", "batch_size=1"],
+                 "the training set has 1 samples, fewer than one batch per rank (2 ranks x batch_size 1 = 2)",
+                 id="nproc_per_node_larger_than_the_data"),
+    pytest.param(1, ["vocab_pruning.enabled=True", "vocab_pruning.kept_ids={kept_out_of_range}"],
+                 f"kept_ids has 1 id(s) outside the vocabulary [0, {VOCAB_SIZE}): [{VOCAB_SIZE + 7}]",
+                 id="vocab_pruning_ids_out_of_range"),
+])
+def test_distributed_bad_input_fails_with_exit_code(inputs, tmp_path, nproc, overrides, message):
+    out = tmp_path / "out"
+    values = {k: str(v) for k, v in inputs.items()}
+    run = tune(DIST_RECIPE, DIST_CONFIG, [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}",
+                                          "process_group_timeout_s=30",
+                                          *[o.format(**values) for o in overrides]], tmp_path / "run.log", nproc=nproc)
+    rc = run.wait()
+    assert rc != 0
+    assert_no_leftovers([run])
+    assert message in run.output, run.output[-3000:]
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------- library
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from torchtune_ext.models import qlora_tiny_llama
+
+    torch.manual_seed(0)
+    return qlora_tiny_llama(lora_attn_modules=["q_proj", "v_proj"], lora_rank=4, lora_alpha=8)
+
+
+def test_include_keys_and_ignore_keys_together(tiny_model):
+    from torchtune_ext.training._state_dict import get_full_state_dict
+
+    with pytest.raises(ValueError, match="include_keys and ignore_keys are mutually exclusive; pass one of them."):
+        get_full_state_dict(tiny_model, include_keys="layers.*", ignore_keys="*.lora_*")
+
+
+def test_unmatched_glob_names_the_nearest_keys(tiny_model):
+    from torchtune_ext.training._state_dict import get_full_state_dict
+
+    with pytest.raises(ValueError) as raised:
+        get_full_state_dict(tiny_model, include_keys=["layers.*.attn.q_proj.*", "layers.*.attn.qproj.*"])
+    text = str(raised.value)
+    assert "include_keys pattern 'layers.*.attn.qproj.*' matches no state-dict key. Nearest keys: [" in text, text
+    assert "layers.0.attn.q_proj" in text.split("Nearest keys:")[1]
