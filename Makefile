@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q -x --durations=15
+	$(PY) -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) .venv-interop

@@ -249,10 +249,12 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
             cfg.lr_scheduler, self._optimizer,
             num_training_steps=self.total_epochs * self._steps_per_epoch, last_epoch=self.global_step - 1,
         )
+        self._rng_to_restore = None
         if state is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
             rng = state.get("rng_per_rank")
-            self._set_rng_state(rng[self.rank] if rng and len(rng) == self.world_size else state["rng"])
+            # Restored when training starts, after the data loader iterator has drawn its seed (as single-device).
+            self._rng_to_restore = rng[self.rank] if rng and len(rng) == self.world_size else state["rng"]
 
         self._ignore_labels_cache = torch.full(
             (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
@@ -576,7 +578,6 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         dist.all_gather_object(rng, self._rng_state())
         if self._is_rank_zero:
             adapters = {k: state_dict[k] for k in self._adapter_keys}
-            self._checkpointer.save_recipe_state(self._recipe_state(adapters, optimizer, rng, end_of_epoch))
             self._last_checkpoint = self._checkpointer.save(
                 GatheredModelView(self._model, self._exportable(state_dict)),
                 step=self.global_step,
@@ -584,6 +585,8 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 save_merged=save_merged,
                 dtype=self._dtype,
             )
+            # Last: the recipe state commits the checkpoint.
+            self._checkpointer.save_recipe_state(self._recipe_state(adapters, optimizer, rng, end_of_epoch))
             log.info(f"Checkpoint saved to {self._last_checkpoint} in {time.perf_counter() - start:.1f} s.")
         del state_dict
         dist.barrier()
@@ -664,7 +667,11 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 disable=not self._is_rank_zero,
             )
             micro_batches = 0
-            for batch in self._dataloader:
+            batches = iter(self._dataloader)  # draws a seed from the global RNG, as at the start of the run
+            if self._rng_to_restore is not None:
+                self._set_rng_state(self._rng_to_restore)
+                self._rng_to_restore = None
+            for batch in batches:
                 if self._steps_in_epoch_done >= self._steps_per_epoch:
                     break
                 utils.batch_to_device(batch, self._device)

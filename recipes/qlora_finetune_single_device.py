@@ -74,6 +74,25 @@ from torchtune_ext.training._recipe_utils import (
 log = utils.get_logger("INFO")
 
 
+def _lora_shapes(adapters: Dict[str, torch.Tensor]) -> Dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in adapters.items() if ".lora_" in k or k.endswith(".magnitude")}
+
+
+def _check_samples_have_labels(dataset, max_seq_len: Optional[int], ignore_index: int, limit: int = 64) -> None:
+    """Fails if none of the first ``limit`` samples keeps a label token after truncation (prompts longer than
+    ``max_seq_len``), which would train on nothing (a NaN or zero-division loss)."""
+    count = min(len(dataset), limit)
+    empty = [i for i in range(count) if all(int(label) == ignore_index for label in dataset[i]["labels"])]
+    if count and len(empty) == count:
+        raise ValueError(
+            f"None of the first {count} samples of the data set keeps a label token after truncation to "
+            f"tokenizer.max_seq_len={max_seq_len}: their prompts are longer. Raise tokenizer.max_seq_len."
+        )
+    if empty:
+        log.warning(f"{len(empty)} of the first {count} samples have no label token within tokenizer.max_seq_len="
+                    f"{max_seq_len} (e.g. sample {empty[0]}); they do not train.")
+
+
 class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
     """QLoRA fine-tuning recipe for one device; see the module docstring for the features.
 
@@ -139,6 +158,7 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         dataset = build_dataset(cfg.dataset, self._tokenizer)
         val_cfg = cfg.get("dataset_val", None)
         val_dataset = build_dataset(val_cfg, self._tokenizer) if val_cfg is not None else None
+        _check_samples_have_labels(dataset, cfg.tokenizer.get("max_seq_len", None), self._loss_fn.ignore_index)
         batches = len(dataset) // self._batch_size
         if batches < self._gradient_accumulation_steps:
             raise ValueError(
@@ -247,6 +267,16 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._adapter_params[name].copy_(value)
 
     def _check_recipe_state(self, state: Dict[str, Any]) -> None:
+        # LoRA/DoRA shapes against the (meta) model, before anything is written; vocab-pruning rows are checked
+        # through kept_ids below.
+        expected, saved = _lora_shapes(get_adapter_params(self._model)), _lora_shapes(state["adapter"])
+        if saved != expected:
+            differ = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
+            raise ValueError(
+                "The recipe state's adapters do not match the model's (different lora_attn_modules, "
+                "apply_lora_to_mlp or lora_rank?): "
+                + "; ".join(f"{k}: saved {saved.get(k)}, model {expected.get(k)}" for k in differ[:4])
+            )
         if state["dtype"] != str(self._dtype):
             raise ValueError(
                 f"The recipe state was saved with dtype {state['dtype']} but this run uses {self._dtype}; "
@@ -340,7 +370,6 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         """
         start = time.perf_counter()
         # Saved at the end too: a finished run can be extended by raising `epochs` and resuming.
-        self._checkpointer.save_recipe_state(self._recipe_state(end_of_epoch))
         self._last_checkpoint = self._checkpointer.save(
             self._exportable_model(),
             step=self.global_step,
@@ -348,6 +377,8 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             save_merged=full and not self._save_adapter_weights_only,
             dtype=self._dtype,
         )
+        # Last: the recipe state commits the checkpoint (a resume never starts from a step without its folder).
+        self._checkpointer.save_recipe_state(self._recipe_state(end_of_epoch))
         log.info(f"Checkpoint saved to {self._last_checkpoint} in {time.perf_counter() - start:.1f} s.")
 
     # ------------------------------------------------------------------------------------------------ training

@@ -107,6 +107,26 @@ def atomic_save(obj: Any, path: PathLike) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def check_writable(folder: PathLike, what: str) -> None:
+    """Checks that ``folder`` exists as a writable folder or can be created, without creating anything.
+
+    Args:
+        folder (PathLike): the folder.
+        what (str): its config key, for the error.
+
+    Raises:
+        ValueError: if the nearest existing ancestor is not a folder, or not writable.
+    """
+    ancestor = Path(folder).absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{what}={str(folder)!r} is not writable ({ancestor} is not a folder this user can write to); set "
+            f"{what} to a writable folder."
+        )
+
+
 def _write_json(path: Path, data: Dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
@@ -268,6 +288,7 @@ class QLoRAHFCheckpointer:
         self.checkpoint_paths = resolve_checkpoint_files(self.checkpoint_dir, checkpoint_files)
         self.hf_config = read_hf_config(self.checkpoint_dir)
         self.output_dir = Path(output_dir)
+        check_writable(self.output_dir, "output_dir")
         if self.output_dir.resolve() == self.checkpoint_dir.resolve() or self.checkpoint_dir.resolve() in \
                 self.output_dir.resolve().parents:
             raise ValueError(
@@ -285,42 +306,47 @@ class QLoRAHFCheckpointer:
 
     # ------------------------------------------------------------------------------------------------ loading
 
-    def _tune_headers(self, converter: HFConverter) -> Iterator[Tuple[Path, str, str, Tuple[int, ...]]]:
-        for path in self.checkpoint_paths:
-            for hf_key, info in _safetensors.read_header(path).items():
-                converted = converter.to_tune(hf_key, torch.empty(info["shape"], device="meta"))
-                if converted is not None:
-                    yield path, hf_key, converted[0], tuple(converted[1].shape)
-
     def validate(self, model: nn.Module) -> None:
-        """Checks the checkpoint's keys and shapes against a (meta) model from the files' headers only.
+        """Checks the checkpoint files against a (meta) model from their headers and sizes only: complete files,
+        and the model's keys and shapes.
 
         Args:
             model (nn.Module): the QLoRA model.
 
         Raises:
-            ValueError: on missing, unexpected or mis-shaped weights, naming them.
+            ValueError: on a truncated file, or listing every unexpected, missing or mis-shaped weight.
         """
         converter = HFConverter.for_model(self.model_type, model)
         expected = _base_keys(model)
-        seen = set()
-        for path, hf_key, key, shape in self._tune_headers(converter):
-            if key not in expected:
-                raise ValueError(
-                    f"{path.name}: {hf_key} (torchtune key {key}) is not a weight of the configured model; does "
-                    f"the model config (`model:`) match the checkpoint ({self.checkpoint_dir})?"
-                )
-            if tuple(expected[key].shape) != shape:
-                raise ValueError(
-                    f"{path.name}: {hf_key} has shape {shape} but the configured model expects "
-                    f"{tuple(expected[key].shape)} for {key}; does the model config match the checkpoint?"
-                )
-            seen.add(key)
+        seen, unexpected, mis_shaped = set(), [], []
+        for path in self.checkpoint_paths:
+            for hf_key, info in _safetensors.check_complete(path).items():
+                try:
+                    converted = converter.to_tune(hf_key, torch.empty(info["shape"], device="meta"))
+                except Exception:  # torchtune's key mapping raises a bare Exception on an unknown key
+                    converted = (hf_key, None)
+                if converted is None:
+                    continue
+                key = converted[0]
+                if key not in expected:
+                    unexpected.append(f"{path.name}: {hf_key}")
+                    continue
+                shape = tuple(converted[1].shape)
+                if tuple(expected[key].shape) != shape:
+                    mis_shaped.append(f"{path.name}: {hf_key} has shape {shape} but the configured model expects "
+                                      f"{tuple(expected[key].shape)} for {key}")
+                seen.add(key)
         missing = sorted(set(expected) - seen)
-        if missing:
+        if unexpected or missing or mis_shaped:
+            problems = [f"{len(unexpected)} tensor(s) that are not a weight of the configured model: "
+                        f"{unexpected[:8]}"] if unexpected else []
+            problems += [f"it lacks {len(missing)} weight(s) of the configured model: {missing[:8]}"] if missing else []
+            problems += mis_shaped[:8]
             raise ValueError(
-                f"The checkpoint in {self.checkpoint_dir} lacks {len(missing)} weight(s) of the configured model, e.g. "
-                f"{missing[:4]}; are checkpointer.checkpoint_files complete and the model config right?"
+                f"The checkpoint in {self.checkpoint_dir} does not match the configured model: "
+                + "; ".join(problems)
+                + ". Do the model config (`model:`), checkpointer.model_type and checkpointer.checkpoint_files match "
+                "the checkpoint?"
             )
 
     @torch.no_grad()
@@ -475,7 +501,18 @@ class QLoRAHFCheckpointer:
                 f"resume_from_checkpoint=True but {self.recipe_checkpoint} does not exist: resume with the same "
                 "output_dir as the interrupted run, or set checkpointer.recipe_checkpoint to its recipe_state.pt."
             )
-        return torch.load(self.recipe_checkpoint, map_location="cpu", weights_only=False)
+        try:
+            state = torch.load(self.recipe_checkpoint, map_location="cpu", weights_only=False)
+        except Exception as err:
+            raise ValueError(
+                f"{self.recipe_checkpoint} is not a readable recipe state ({type(err).__name__}: {str(err)[:200]}). "
+                "Delete it to start over, or set checkpointer.recipe_checkpoint to another recipe_state.pt."
+            ) from err
+        missing = [k for k in ("global_step", "epochs_run", "adapter", "optimizer", "dtype") if k not in state] \
+            if isinstance(state, dict) else ["a dict"]
+        if missing:
+            raise ValueError(f"{self.recipe_checkpoint} is not a readable recipe state (it lacks {missing}).")
+        return state
 
 
 #: PEFT trainable-tokens module name -> (torchtune key of the full-vocabulary weight, PEFT key of its rows).

@@ -84,6 +84,30 @@ def _read_header(f, path: PathLike) -> Tuple[Dict[str, Dict], int]:
     return header, 8 + length
 
 
+def check_complete(path: PathLike) -> Dict[str, Dict]:
+    """Reads a safetensors file's header and checks that the file holds all the data it announces.
+
+    Args:
+        path (PathLike): the file.
+
+    Returns:
+        Dict[str, Dict]: the header, as :func:`read_header`.
+
+    Raises:
+        ValueError: if the file is not a safetensors file or is truncated.
+    """
+    with open(path, "rb") as f:
+        header, data_start = _read_header(f, path)
+    needed = data_start + max((info["data_offsets"][1] for info in header.values()), default=0)
+    size = os.path.getsize(path)
+    if size < needed:
+        raise ValueError(
+            f"{path} is truncated: its header announces {needed} bytes but the file has {size} (an interrupted "
+            "download or copy?); download it again."
+        )
+    return header
+
+
 def iter_tensors(path: PathLike, device: Union[str, torch.device] = "cpu") -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields ``(name, tensor)`` for every tensor of a safetensors file, reading one tensor at a time.
 
