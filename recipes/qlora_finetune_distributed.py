@@ -94,6 +94,8 @@ from torchtune_ext.training._recipe_utils import (
     positive_int,
     read_base_vocab_state,
     resolve_kept_ids,
+    rng_state,
+    set_rng_state,
 )
 from torchtune_ext.training._state_dict import get_full_state_dict
 from torchtune_ext.training._state_dict_load import load_full_state_dict
@@ -483,19 +485,6 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
-    def _rng_state(self) -> Dict[str, Any]:
-        state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        if self._device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self._device)
-        return state
-
-    def _set_rng_state(self, state: Dict[str, Any]) -> None:
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        if "cuda" in state and self._device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda"], self._device)
-
     def _full_optimizer_state(self) -> Dict[str, Any]:
         """The optimizer state with every sharded tensor gathered, in ``optimizer.state_dict()``'s own layout
         (param indices), on rank 0; the same layout the single-device recipe saves. Collective."""
@@ -575,7 +564,7 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         state_dict = get_full_state_dict(self._model, adapter_weights_only=not save_merged)
         optimizer = self._full_optimizer_state()
         rng: List[Any] = [None] * self.world_size
-        dist.all_gather_object(rng, self._rng_state())
+        dist.all_gather_object(rng, rng_state(self._device))
         if self._is_rank_zero:
             adapters = {k: state_dict[k] for k in self._adapter_keys}
             self._last_checkpoint = self._checkpointer.save(
@@ -669,7 +658,7 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
             micro_batches = 0
             batches = iter(self._dataloader)  # draws a seed from the global RNG, as at the start of the run
             if self._rng_to_restore is not None:
-                self._set_rng_state(self._rng_to_restore)
+                set_rng_state(self._rng_to_restore, self._device)
                 self._rng_to_restore = None
             for batch in batches:
                 if self._steps_in_epoch_done >= self._steps_per_epoch:

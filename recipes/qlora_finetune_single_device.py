@@ -36,13 +36,11 @@ before anything is written.
 """
 
 import math
-import random
 import sys
 import time
 from functools import partial
 from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -69,6 +67,8 @@ from torchtune_ext.training._recipe_utils import (
     positive_int,
     read_base_vocab_state,
     resolve_kept_ids,
+    rng_state,
+    set_rng_state,
 )
 
 log = utils.get_logger("INFO")
@@ -319,19 +319,6 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
-    def _rng_state(self) -> Dict[str, Any]:
-        state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        if self._device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self._device)
-        return state
-
-    def _set_rng_state(self, state: Dict[str, Any]) -> None:
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        if "cuda" in state and self._device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda"], self._device)
-
     def _recipe_state(self, end_of_epoch: bool) -> Dict[str, Any]:
         return {
             "global_step": self.global_step,
@@ -347,7 +334,7 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             "loss_scaler": self._loss_scaler.state_dict(),
             # A new epoch starts a fresh pass over the data.
             "dataloader": None if end_of_epoch else self._dataloader.state_dict(),
-            "rng": self._rng_state(),
+            "rng": rng_state(self._device),
             "kept_ids": self._kept_ids,
         }
 
@@ -437,7 +424,7 @@ class QLoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             micro_batches = 0
             batches = iter(self._dataloader)  # draws a seed from the global RNG, as at the start of the run
             if self._rng_to_restore is not None:
-                self._set_rng_state(self._rng_to_restore)
+                set_rng_state(self._rng_to_restore, self._device)
                 self._rng_to_restore = None
             for batch in batches:
                 if self._steps_in_epoch_done >= self._steps_per_epoch:

@@ -1,10 +1,12 @@
 """Pieces the single-device and distributed QLoRA recipes share: config parsing, model/data building, vocab
 pruning setup, the loss step and the end-of-run summary."""
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig
 from safetensors import safe_open
@@ -19,6 +21,34 @@ from torchtune_ext.training import _safetensors
 from torchtune_ext.training._distributed import VOCAB_PRUNING_SHARDING
 from torchtune_ext.training._hf import HFConverter
 from torchtune_ext.training._precision import parse_dtype
+
+
+def rng_state(device: torch.device) -> Dict[str, Any]:
+    """
+    Args:
+        device (torch.device): the training device (its CUDA generator is included on CUDA).
+
+    Returns:
+        Dict[str, Any]: the torch, python, numpy (and CUDA) RNG states, for a bit-exact resume.
+    """
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: Dict[str, Any], device: torch.device) -> None:
+    """Restores what :func:`rng_state` returned.
+
+    Args:
+        state (Dict[str, Any]): the saved states.
+        device (torch.device): the training device.
+    """
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def positive_int(cfg: DictConfig, key: str, default: Optional[int]) -> Optional[int]:
