@@ -32,18 +32,21 @@ timeout 150 $PY bench/load.py --dtypes bf16 --cache "$CACHE"
 CKPT="$CACHE/llama3_2_1b_random_bf16"
 DATA="tokenizer._component_=torchtune_ext.data.tiny_tokenizer ~tokenizer.path tokenizer.max_seq_len=512
       dataset._component_=torchtune_ext.data.tiny_instruct_dataset ~dataset.packed batch_size=8
-      gradient_accumulation_steps=1 epochs=1 max_steps_per_epoch=$STEPS log_every_n_steps=1"
+      gradient_accumulation_steps=1 epochs=1 max_steps_per_epoch=$STEPS log_every_n_steps=1
+      metric_logger._component_=torchtune.training.metric_logging.StdoutLogger ~metric_logger.log_dir"
+# per-step metrics (loss, tokens_per_second, peak memory) of the last steps
+metrics() { tr '\r' '\n' | grep -E "^Step|Error|error" | tail -4; }
 for dtype in fp32 bf16 fp16; do
   section "1B-shaped QLoRA, ours, dtype=$dtype"
   timeout 150 $TUNE run recipes/qlora_finetune_single_device.py --config configs/llama3_2/1B_qlora_single_device.yaml \
     checkpointer.checkpoint_dir="$CKPT" output_dir="$CACHE/ours_1b_$dtype" dtype=$dtype device=cuda $DATA \
-    2>&1 | grep -E "tokens_per_second|peak|Memory|Loss: |Error|error" | tail -8
+    2>&1 | metrics
 done
 for dtype in fp32 bf16; do
   section "1B-shaped QLoRA, torchtune lora_finetune_single_device, dtype=$dtype"
   timeout 150 $TUNE run lora_finetune_single_device --config llama3_2/1B_qlora_single_device \
     checkpointer.checkpoint_dir="$CKPT" checkpointer.checkpoint_files=[model.safetensors] \
     output_dir="$CACHE/torchtune_1b_$dtype" dtype=$dtype device=cuda $DATA \
-    2>&1 | grep -E "tokens_per_second|peak|Memory|Loss: |Error|error" | tail -8
+    2>&1 | metrics
 done
 section "done"
