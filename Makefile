@@ -1,12 +1,12 @@
 # Two commands for a fresh machine (each sets itself up):
 #   make demo   - fine-tune the embedded tiny default (no downloads) and print where the outputs are
-#   make test   - lint + the whole test suite (unit, recipe integration, 2-process distributed)
+#   make test   - .ci/run: set-up, lint + the whole test suite (unit, recipe integration, 2-process distributed)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +22,9 @@ demo: $(STAMP)
 	# torchtune appends the cwd to sys.path after site-packages, where its own `recipes` package would win.
 	PYTHONPATH=. $(VENV)/bin/tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
 
-lint: $(STAMP)
-	$(VENV)/bin/ruff check .
-
-test: lint
-	$(PY) -m pytest -q --durations=15
+# The same install as .ci/run, which `make test` runs (CI runs it too).
+test:
+	bash .ci/run
 
 clean:
 	rm -rf $(VENV) .venv-interop
