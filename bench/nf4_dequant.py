@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
+from _timing import best_seconds, machine, sync
 
 from torchtune_ext._compat import NF4Tensor, to_nf4
 from torchtune_ext.modules import dequantize_nf4, quantize_nf4
@@ -29,24 +29,6 @@ from torchtune_ext.modules import dequantize_nf4, quantize_nf4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES = [(4096, 4096), (11008, 4096), (14336, 4096)]
 NF4_INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _best_seconds(fn: Callable[[], object], device: torch.device, reps: int, min_time: float) -> float:
-    fn()  # warm-up (also builds ours' lookup tables)
-    _sync(device)
-    times: List[float] = []
-    start = time.perf_counter()
-    while len(times) < reps or (time.perf_counter() - start < min_time and len(times) < 10 * reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -66,15 +48,15 @@ def _run_case(out_dim: int, in_dim: int, dtype: torch.dtype, device: torch.devic
     rows = []
     # torchao's quantizer takes seconds per 7B layer on CPU: time one call (no warm-up: it has no caches) and
     # check and reuse its result.
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     nf4 = to_nf4(dense)
-    _sync(device)
+    sync(device)
     torchao_quantize = time.perf_counter() - t0
     if args.quick or device.type != "cpu":
-        torchao_quantize = min(torchao_quantize, _best_seconds(lambda: to_nf4(dense), device, args.reps, 0.0))
+        torchao_quantize = min(torchao_quantize, best_seconds(lambda: to_nf4(dense), device, args.reps, 0.0))
     _check_same_nf4(quantize_nf4(dense), nf4)
-    ours_quantize = _best_seconds(lambda: quantize_nf4(dense), device, args.reps, args.min_time)
+    ours_quantize = best_seconds(lambda: quantize_nf4(dense), device, args.reps, args.min_time)
     rows.append(dict(what="quantize", ours=ours_quantize, torchao=torchao_quantize))
     targets = [dtype] + ([torch.float32] if dtype != torch.float32 else [])
     for target in targets:
@@ -83,8 +65,8 @@ def _run_case(out_dim: int, in_dim: int, dtype: torch.dtype, device: torch.devic
         rows.append(
             dict(
                 what="dequantize" + ("" if target == dtype else f"->{_name(target)}"),
-                ours=_best_seconds(lambda t=target: dequantize_nf4(nf4, t), device, args.reps, args.min_time),
-                torchao=_best_seconds(
+                ours=best_seconds(lambda t=target: dequantize_nf4(nf4, t), device, args.reps, args.min_time),
+                torchao=best_seconds(
                     lambda t=target: nf4.get_original_weight().to(t), device, args.reps, args.min_time
                 ),
             )
@@ -113,17 +95,6 @@ def _print_table(rows: List[Dict]) -> None:
         )
 
 
-def _machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads"
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -141,7 +112,7 @@ def main() -> None:
     device = torch.device(args.device)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"nf4_dequant: {_machine(device)}; torch {torch.__version__}; "
+        f"nf4_dequant: {machine(device)}; torch {torch.__version__}; "
         f"{datetime.datetime.now().isoformat(timespec='seconds')}; load average {load:.2f}"
     )
     rows = []

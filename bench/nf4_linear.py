@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
-import time
 from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
+from _timing import best_seconds, machine, sync
 from torchao.dtypes.nf4tensor import linear_nf4 as torchao_linear_nf4
 
 from torchtune_ext._compat import NF4Tensor
@@ -39,24 +38,6 @@ from torchtune_ext.modules import dequantize_nf4, linear_nf4, to_nf4_frozen
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES = [(4096, 4096), (11008, 4096), (14336, 4096)]
 TOKENS = [512, 2048]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _best_seconds(fn: Callable[[], None], device: torch.device, reps: int, min_time: float) -> float:
-    fn()  # warm-up
-    _sync(device)
-    times: List[float] = []
-    start = time.perf_counter()
-    while len(times) < reps or (time.perf_counter() - start < min_time and len(times) < 10 * reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -82,11 +63,11 @@ def _saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
 def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
     if device.type != "cuda":
         return -1
-    _sync(device)
+    sync(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     fn()
-    _sync(device)
+    sync(device)
     return torch.cuda.max_memory_allocated(device) - base
 
 
@@ -110,7 +91,7 @@ def _run_case(out_dim: int, in_dim: int, tokens: int, dtype: torch.dtype, device
             x.grad = None
             op().backward(grad_out)
 
-        row[f"{name}_s"] = _best_seconds(step, device, args.reps, args.min_time)
+        row[f"{name}_s"] = best_seconds(step, device, args.reps, args.min_time)
         row[f"{name}_saved"] = _saved_bytes(op)
         row[f"{name}_peak"] = _peak_bytes(step, device)
     return row
@@ -142,17 +123,6 @@ def _print_table(rows: List[Dict], device: torch.device) -> None:
         print(line)
 
 
-def _machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads"
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -172,7 +142,7 @@ def main() -> None:
     dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"nf4_linear: {_machine(device)}; torch {torch.__version__}; "
+        f"nf4_linear: {machine(device)}; torch {torch.__version__}; "
         f"{datetime.datetime.now().isoformat(timespec='seconds')}; load average {load:.2f}"
     )
     rows = []
