@@ -32,29 +32,21 @@ file name plus ``--nproc_per_node``), with these additions:
 - ``process_group_timeout_s``: how long a rank waits for the others before failing (no silent hang).
 """
 
-import math
 import os
 import random
 import sys
 import time
-from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
-from torchtune.config._utils import _get_component_from_path
-from torchtune.data import padded_collate_packed
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
-from torchtune.recipe_interfaces import FTRecipeInterface
-from tqdm import tqdm
 
 import torchtune_ext  # noqa: F401  (registers the NF4 ops current PyTorch needs)
 from torchtune_ext.modules.low_precision import dequantize_nf4
@@ -65,7 +57,6 @@ from torchtune_ext.modules.vocab_pruning import (
     prune_vocab_,
 )
 from torchtune_ext.training import _safetensors
-from torchtune_ext.training._checkpointing import QLoRAHFCheckpointer
 from torchtune_ext.training._distributed import (
     DistributedLossScaler,
     GatheredModelView,
@@ -82,20 +73,13 @@ from torchtune_ext.training._distributed import (
     replicated_params,
     shard_model,
 )
-from torchtune_ext.training._hf import HFConverter
-from torchtune_ext.training._metrics import Throughput, format_memory_stats
 from torchtune_ext.training._precision import check_param_dtypes, default_adapter_dtype, parse_dtype
+from torchtune_ext.training._recipe_base import QLoRARecipeBase
 from torchtune_ext.training._recipe_utils import (
-    LoRASettings,
-    build_dataset,
-    build_qlora_model,
     is_vocab_key,
-    parse_vocab_pruning,
     positive_int,
     read_base_vocab_state,
-    resolve_kept_ids,
     rng_state,
-    set_rng_state,
 )
 from torchtune_ext.training._state_dict import get_full_state_dict
 from torchtune_ext.training._state_dict_load import load_full_state_dict
@@ -107,7 +91,7 @@ log = utils.get_logger("INFO")
 _LOAD_CHUNK_BYTES = 1 << 30
 
 
-class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
+class QLoRAFinetuneRecipeDistributed(QLoRARecipeBase):
     """QLoRA fine-tuning recipe on FSDP2; see the module docstring for the features.
 
     Args:
@@ -122,7 +106,6 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         self.world_size = launched_world_size()
         self.rank = int(os.environ["RANK"])
-        self._is_rank_zero = self.rank == 0
         self._device = utils.get_device(device=cfg.device)
         self._dtype = parse_dtype(cfg.dtype, self._device)
         self._adapter_dtype = default_adapter_dtype(self._dtype, cfg.get("adapter_dtype", None))
@@ -131,37 +114,11 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._reshard_after_forward = bool(cfg.get("fsdp_reshard_after_forward", True))
         self._process_group_timeout_s = cfg.get("process_group_timeout_s", 1800)
 
-        self._output_dir = cfg.output_dir
-        self._log_every_n_steps = positive_int(cfg, "log_every_n_steps", 1)
-        self._gradient_accumulation_steps = positive_int(cfg, "gradient_accumulation_steps", 1)
-        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self._read_settings(cfg)
         self._batch_size = per_rank_batch_size(
             positive_int(cfg, "batch_size", 1), positive_int(cfg, "global_batch_size", None), self.world_size
         )
-        self.total_epochs = positive_int(cfg, "epochs", 1)
-        self.max_steps_per_epoch = positive_int(cfg, "max_steps_per_epoch", None)
-        self._stop_after_step = positive_int(cfg, "stop_after_step", None)
-        self._save_every_n_steps = positive_int(cfg, "save_every_n_steps", None)
-        self._run_val_every_n_steps = positive_int(cfg, "run_val_every_n_steps", None)
-        self._max_validation_steps = positive_int(cfg, "max_validation_steps", None)
-        self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
-        self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
-        self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
-        self._compile = cfg.get("compile", False)
-        if cfg.get("enable_activation_offloading", False):
-            raise ValueError(
-                "enable_activation_offloading is not supported by this recipe; use "
-                "enable_activation_checkpointing=True to save activation memory."
-            )
-        self._vocab_pruning_cfg = parse_vocab_pruning(cfg.get("vocab_pruning", None))
-
         self.seed: Optional[int] = None
-        self.epochs_run = 0
-        self.global_step = 0
-        self._steps_in_epoch_done = 0
-        self.loss_history: list = []
-        self._pruning = None
-        self._kept_ids: Optional[List[int]] = None
 
     def _set_seed(self, cfg: DictConfig) -> None:
         """Seeds every rank with the same seed (torchtune's ``set_seed`` agrees on it across ranks), so all ranks
@@ -184,29 +141,19 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
             if self._is_rank_zero:
                 config.instantiate(cfg.generate_base_checkpoint)
             dist.barrier()
-        self._checkpointer: QLoRAHFCheckpointer = config.instantiate(cfg.checkpointer)
-        self._lora = LoRASettings.from_config(cfg.model)
-        self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype)
-        self._checkpointer.validate(self._model)
-        self._converter = HFConverter.for_model(self._checkpointer.model_type, self._model)
-        self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._loss_fn = config.instantiate(cfg.loss)
-        dataset = build_dataset(cfg.dataset, self._tokenizer)
+        dataset, val_dataset = self._build_components(cfg)
+        self._check_samples_have_labels(dataset, cfg.tokenizer.get("max_seq_len", None))
         check_dataset_size(len(dataset), self._batch_size, self.world_size)
-        val_cfg = cfg.get("dataset_val", None)
-        val_dataset = build_dataset(val_cfg, self._tokenizer) if val_cfg is not None else None
         if val_dataset is not None:
             check_dataset_size(len(val_dataset), self._batch_size, self.world_size)
         if self._vocab_pruning_cfg is not None:
-            self._kept_ids = self._resolve_kept_ids(dataset, val_dataset)
+            self._resolve_kept_ids(dataset, val_dataset)
         state = self._checkpointer.load_recipe_state() if self._resume_from_checkpoint else None
         if state is not None:
             self._check_recipe_state(state)
 
         # From here on, outputs are written.
-        if self._is_rank_zero:
-            self._metric_logger = config.instantiate(cfg.metric_logger)
-            self._metric_logger.log_config(cfg)
+        self._start_writing(cfg)
 
         self._load_model(state)
         self._optimizer = config.instantiate(cfg.optimizer, self._trainable_params)
@@ -215,72 +162,17 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         )
         if self._compile:
             self._loss_fn = training.compile_loss(self._loss_fn)
-        self._pad_to_multiple = None
         if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
             if self._pruning is not None and self._vocab_pruning_cfg["sharding"] == "sharded":
                 # The output is projected chunk by chunk, each chunk a call of the pruning module's own FSDP unit
                 # (an all-gather): every rank must make the same number of calls, whatever its sequence length.
                 self._pad_to_multiple = self._loss_fn.num_output_chunks
-
-        collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
-        self._sampler, self._dataloader = self._setup_data(
-            dataset, cfg.dataset, shuffle=cfg.shuffle, collate_fn=collate_fn, drop_last=True
-        )
-        self._val_dataloader = None
-        if val_dataset is not None:
-            self._val_dataloader = self._setup_data(
-                val_dataset, val_cfg, shuffle=False, collate_fn=collate_fn, drop_last=False
-            )[1]
-
-        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
-        if self.max_steps_per_epoch is not None:
-            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        if self._steps_per_epoch == 0:
-            raise ValueError(
-                f"The data set gives {len(self._dataloader)} batches per rank, fewer than "
-                f"gradient_accumulation_steps={self._gradient_accumulation_steps}: lower batch_size, "
-                "gradient_accumulation_steps or --nproc_per_node."
-            )
-        if state is not None:
-            self._load_optimizer_state(state["optimizer"])
-            self._loss_scaler.load_state_dict(state["loss_scaler"])
-            if state["dataloader"] is not None:
-                self._dataloader.load_state_dict(state["dataloader"])
-        self._lr_scheduler = config.instantiate(
-            cfg.lr_scheduler, self._optimizer,
-            num_training_steps=self.total_epochs * self._steps_per_epoch, last_epoch=self.global_step - 1,
-        )
-        self._rng_to_restore = None
-        if state is not None:
-            self._lr_scheduler.load_state_dict(state["lr_scheduler"])
-            rng = state.get("rng_per_rank")
-            # Restored when training starts, after the data loader iterator has drawn its seed (as single-device).
-            self._rng_to_restore = rng[self.rank] if rng and len(rng) == self.world_size else state["rng"]
-
-        self._ignore_labels_cache = torch.full(
-            (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
-        )
-        memory = gather_memory_stats(self._device)
-        utils.log_rank_zero(log, f"Memory after setup: {format_memory_stats(memory)}")
-
-    def _resolve_kept_ids(self, dataset, val_dataset) -> List[int]:
-        """The kept token ids (a file, else the ids the data uses). Every rank computes the same list (no
-        collective before the model exists)."""
-        vocab_size = self._model.tok_embeddings.num_embeddings
-        ids = resolve_kept_ids(self._vocab_pruning_cfg["kept_ids"], vocab_size, self._tokenizer, [dataset, val_dataset])
-        utils.log_rank_zero(log, f"Vocab pruning: keeping {len(ids)} of {vocab_size} token ids.")
-        return ids
+        self._setup_dataloaders(cfg, dataset, val_dataset)
+        self._setup_schedule(cfg, state)
 
     def _check_recipe_state(self, state: Dict[str, Any]) -> None:
-        if state["dtype"] != str(self._dtype):
-            raise ValueError(
-                f"The recipe state was saved with dtype {state['dtype']} but this run uses {self._dtype}; "
-                "resume with the same dtype."
-            )
-        if state["seed"] != self.seed:
-            utils.log_rank_zero(log, f"Config seed {self.seed} differs from the checkpoint's; using {state['seed']}.")
-            self.seed = state["seed"]
+        self._check_adapter_shapes(state["adapter"])
         saved_world = state.get("world_size", 1)
         if saved_world != self.world_size and state["dataloader"] is not None:
             utils.log_rank_zero(
@@ -288,16 +180,7 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 f"The recipe state was saved with {saved_world} rank(s), this run has {self.world_size}: the data "
                 "position within the epoch is kept but the samples each rank sees differ from an uninterrupted run.",
             )
-        saved_ids = state.get("kept_ids")
-        if saved_ids != self._kept_ids:
-            raise ValueError(
-                "The recipe state's vocab pruning (kept token ids) differs from this run's; resume with the same "
-                "vocab_pruning settings and data."
-            )
-        self.epochs_run = state["epochs_run"]
-        self.global_step = state["global_step"]
-        self._steps_in_epoch_done = state["steps_in_epoch_done"]
-        self.max_steps_per_epoch = state["max_steps_per_epoch"]
+        self._restore_progress(state)
 
     # ------------------------------------------------------------------------------------------------- model
 
@@ -457,32 +340,6 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 if isinstance(module, DoRALinear):
                     _init_dora_magnitude(module)
 
-    # ------------------------------------------------------------------------------------------------- data
-
-    def _setup_data(self, dataset, cfg_dataset: Any, shuffle: bool, collate_fn: str, drop_last: bool):
-        packed = getattr(dataset, "packed", False) if isinstance(cfg_dataset, ListConfig) else \
-            cfg_dataset.get("packed", False)
-        if "left_pad_sequence" in collate_fn:
-            raise RuntimeError("left_pad_sequence collator is only for inference.")
-        collate = _get_component_from_path(collate_fn)
-        # Every rank must run the same number of batches (FSDP's collectives). Training pads the index list to a
-        # multiple of the world size (torchtune's behaviour); validation (no dropped batches) drops the remainder
-        # instead, so that no sample counts twice in the validation loss.
-        sampler = StatefulDistributedSampler(
-            dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle, seed=self.seed,
-            drop_last=not drop_last,
-        )
-        dataloader = StatefulDataLoader(
-            dataset=dataset,
-            batch_size=self._batch_size,
-            sampler=sampler,
-            collate_fn=padded_collate_packed if packed else partial(
-                collate, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index
-            ),
-            drop_last=drop_last,
-        )
-        return sampler, dataloader
-
     # ------------------------------------------------------------------------------------------- checkpoints
 
     def _full_optimizer_state(self) -> Dict[str, Any]:
@@ -530,23 +387,12 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self, adapters: Dict[str, torch.Tensor], optimizer: Dict[str, Any], rng: List[Any], end_of_epoch: bool
     ) -> Dict[str, Any]:
         return {
-            "global_step": self.global_step,
-            "epochs_run": self.epochs_run,
-            "steps_in_epoch_done": 0 if end_of_epoch else self._steps_in_epoch_done,
-            "seed": self.seed,
-            "total_epochs": self.total_epochs,
-            "max_steps_per_epoch": self.max_steps_per_epoch,
-            "dtype": str(self._dtype),
+            **self._progress_state(end_of_epoch),
             "adapter": adapters,
             "optimizer": optimizer,
-            "lr_scheduler": self._lr_scheduler.state_dict(),
-            "loss_scaler": self._loss_scaler.state_dict(),
-            # A new epoch starts a fresh pass over the data.
-            "dataloader": None if end_of_epoch else self._dataloader.state_dict(),
             "rng": rng[0],
             "rng_per_rank": rng,
             "world_size": self.world_size,
-            "kept_ids": self._kept_ids,
         }
 
     def save_checkpoint(self, epoch: int, end_of_epoch: bool = True, full: bool = True) -> None:
@@ -580,171 +426,19 @@ class QLoRAFinetuneRecipeDistributed(FTRecipeInterface):
         del state_dict
         dist.barrier()
 
-    # ------------------------------------------------------------------------------------------------ training
+    # -------------------------------------------------------------------------------------------- cross-rank hooks
 
-    def _pad_batch(self, batch: Dict[str, torch.Tensor]) -> None:
-        """Right-pads tokens (pad id) and labels (ignored) to a multiple of the output chunks; causal attention makes
-        the extra positions invisible to the others, so the loss is unchanged. Packed batches have a fixed length."""
-        if self._pad_to_multiple is None or "mask" in batch:
-            return
-        extra = -batch["tokens"].shape[1] % self._pad_to_multiple
-        if extra:
-            batch["tokens"] = nn.functional.pad(batch["tokens"], (0, extra), value=self._tokenizer.pad_id)
-            batch["labels"] = nn.functional.pad(batch["labels"], (0, extra), value=self._loss_fn.ignore_index)
+    def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(value, self._device)
 
-    def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        self._pad_batch(batch)
-        labels = batch.pop("labels")
-        logits = self._model(**batch)
-        # Shift labels: equivalent to labels[..., 1:] against logits[..., :-1, :] without slicing the logits.
-        labels = torch.hstack((labels[..., 1:], self._ignore_labels_cache[: labels.shape[0]]))
-        if self._pruning is not None:
-            labels = self._pruning.remap_labels(labels, ignore_index=self._loss_fn.ignore_index)
-        if not isinstance(logits, list):
-            labels = labels.reshape(-1)
-            logits = logits.reshape(-1, logits.size(-1))
-        loss = self._loss_fn(logits, labels)
-        # A micro-batch without label tokens still runs backward (FSDP's collectives), contributing zero.
-        if not bool((labels != self._loss_fn.ignore_index).any()):
-            loss = sum(chunk.sum() for chunk in (logits if isinstance(logits, list) else [logits])) * 0.0
-        del logits
-        return loss
-
-    @torch.no_grad()
-    def _validate(self) -> float:
-        self._model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self._device)
-        count = torch.zeros((), dtype=torch.float64, device=self._device)
-        for i, batch in enumerate(self._val_dataloader):
-            if self._max_validation_steps is not None and i >= self._max_validation_steps:
-                break
-            utils.batch_to_device(batch, self._device)
-            num_tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
-            total += self._loss_step(batch).double() * num_tokens
-            count += num_tokens
-        self._model.train()
-        sums = all_reduce_sum(torch.stack([total, count]), self._device)
-        return float(sums[0] / sums[1].clamp(min=1))
-
-    def _optimizer_step(self, num_tokens: torch.Tensor) -> Tuple[Dict[str, float], float]:
-        global_tokens = float(all_reduce_sum(num_tokens, self._device))
+    def _reduce_grads(self) -> None:
         all_reduce_grads(self._replicated_params)
-        self._loss_scaler.unscale_(self._optimizer)
-        for param in self._trainable_params:
-            if param.grad is not None:
-                param.grad.mul_(1.0 / max(global_tokens, 1.0))
-        max_norm = math.inf if self._clip_grad_norm is None else float(self._clip_grad_norm)
-        grad_norm = clip_grad_norm_(self._trainable_params, max_norm=max_norm)
-        self._loss_scaler.step(self._optimizer)
-        self._optimizer.zero_grad(set_to_none=True)
-        self._lr_scheduler.step()
-        metrics = {"grad_norm": grad_norm.item()}
-        if self._loss_scaler.enabled:
-            metrics.update(loss_scale=self._loss_scaler.get_scale(), skipped_steps=self._loss_scaler.skipped_steps)
-        return metrics, global_tokens
 
-    def train(self) -> None:
-        """The training loop: gradient accumulation normalised by the global token count of each step."""
-        if self._compile:
-            utils.log_rank_zero(log, "torch.compile is enabled: the first iterations are slow.")
-        throughput = Throughput()
-        running_loss, num_tokens = 0.0, 0
-        for curr_epoch in range(self.epochs_run, self.total_epochs):
-            self._sampler.set_epoch(curr_epoch)
-            pbar = tqdm(
-                total=self._steps_per_epoch, initial=self._steps_in_epoch_done, dynamic_ncols=True,
-                disable=not self._is_rank_zero,
-            )
-            micro_batches = 0
-            batches = iter(self._dataloader)  # draws a seed from the global RNG, as at the start of the run
-            if self._rng_to_restore is not None:
-                set_rng_state(self._rng_to_restore, self._device)
-                self._rng_to_restore = None
-            for batch in batches:
-                if self._steps_in_epoch_done >= self._steps_per_epoch:
-                    break
-                utils.batch_to_device(batch, self._device)
-                batch_tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
-                num_tokens += batch_tokens
-                throughput.add(batch_tokens)
-                # The loss is a mean over tokens; weighting by the count lets the step normalise over all ranks.
-                loss = self._loss_step(batch) * batch_tokens
-                running_loss += loss.detach()
-                self._loss_scaler.scale(loss).backward()
-                micro_batches += 1
-                if micro_batches % self._gradient_accumulation_steps != 0:
-                    continue
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(self._trainable_params, max_norm=max_norm)
 
-                step_metrics, global_tokens = self._optimizer_step(num_tokens)
-                self.global_step += 1
-                self._steps_in_epoch_done += 1
-                loss_value = float(all_reduce_sum(running_loss, self._device)) / max(global_tokens, 1.0)
-                self.loss_history.append(loss_value)
-                pbar.update(1)
-                pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_value:.4f}")
-                if self.global_step % self._log_every_n_steps == 0:
-                    rank_tokens_per_second = throughput.tokens_per_second()
-                    memory = gather_memory_stats(self._device)
-                    if self._is_rank_zero:
-                        self._metric_logger.log_dict(
-                            {
-                                "loss": loss_value,
-                                "lr": self._optimizer.param_groups[0]["lr"],
-                                "tokens_per_second": rank_tokens_per_second * global_tokens
-                                / max(float(num_tokens), 1.0),
-                                "tokens_per_second_per_rank": rank_tokens_per_second,
-                                **step_metrics,
-                                **memory,
-                            },
-                            step=self.global_step,
-                        )
-                    throughput.reset()
-                running_loss, num_tokens = 0.0, 0
-                if self._val_dataloader is not None and self._run_val_every_n_steps and \
-                        self.global_step % self._run_val_every_n_steps == 0:
-                    val_loss = self._validate()
-                    if self._is_rank_zero:
-                        self._metric_logger.log_dict({"val_loss": val_loss}, step=self.global_step)
-
-                if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
-                    if self._steps_in_epoch_done < self._steps_per_epoch:
-                        pbar.close()
-                        self.save_checkpoint(curr_epoch, end_of_epoch=False, full=False)
-                        utils.log_rank_zero(
-                            log, f"Stopped after step {self.global_step} (stop_after_step); resume with "
-                            "resume_from_checkpoint=True."
-                        )
-                        return
-                elif self._save_every_n_steps and self.global_step % self._save_every_n_steps == 0 and \
-                        self._steps_in_epoch_done < self._steps_per_epoch:
-                    self.save_checkpoint(curr_epoch, end_of_epoch=False, full=False)
-            pbar.close()
-            self.epochs_run += 1
-            self._steps_in_epoch_done = 0
-            self.save_checkpoint(curr_epoch, end_of_epoch=True)
-            if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
-                return
-
-    def cleanup(self) -> None:
-        """Closes the metric logger and prints (rank 0) where the outputs are."""
-        if not self._is_rank_zero:
-            return
-        self._metric_logger.close()
-        log_dir = getattr(self._metric_logger, "log_dir", None)
-        checkpoint = getattr(self, "_last_checkpoint", None)
-        lines = ["", f"Done ({self.world_size} ranks)."]
-        if self.loss_history:
-            lines.append(f"  loss: {self.loss_history[0]:.4f} (step 1) -> {self.loss_history[-1]:.4f} "
-                         f"(step {self.global_step})")
-        if checkpoint is not None:
-            lines.append(f"  adapter (PEFT):      {checkpoint / 'adapter'}")
-            if (checkpoint / "merged").is_dir():
-                lines.append(f"  merged model (HF):   {checkpoint / 'merged'}")
-        if (self._checkpointer.output_dir / "recipe_state").is_dir():
-            lines.append(f"  resumable state:     {self._checkpointer.output_dir / 'recipe_state'}")
-        if log_dir is not None:
-            lines.append(f"  TensorBoard logs:    {log_dir}  (tensorboard --logdir {log_dir})")
-        print("\n".join(lines), flush=True)
+    def _memory_metrics(self) -> Dict[str, float]:
+        return gather_memory_stats(self._device)
 
 
 class _WeightHolder:

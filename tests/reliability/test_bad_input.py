@@ -207,9 +207,15 @@ def test_output_folder_not_writable_fails_with_exit_code(inputs, tmp_path):
     pytest.param(1, ["vocab_pruning.enabled=True", "vocab_pruning.kept_ids={kept_out_of_range}"],
                  f"kept_ids has 1 id(s) outside the vocabulary [0, {VOCAB_SIZE}): [{VOCAB_SIZE + 7}]",
                  id="vocab_pruning_ids_out_of_range"),
+    pytest.param(2, ["tokenizer.max_seq_len=4"], "Raise tokenizer.max_seq_len", id="max_seq_len_smaller_than_a_prompt"),
+    pytest.param(2, ["resume_from_checkpoint=True", "model.lora_rank=8"], "do not match the model's",
+                 id="resume_with_another_lora_rank"),
 ])
 def test_distributed_bad_input_fails_with_exit_code(inputs, tmp_path, nproc, overrides, message):
     out = tmp_path / "out"
+    if "resume_from_checkpoint=True" in overrides:  # the single-device run's state: the recipes share its format
+        shutil.copytree(inputs["trained"], out)
+    before = snapshot(out)
     values = {k: str(v) for k, v in inputs.items()}
     run = tune(DIST_RECIPE, DIST_CONFIG, [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}",
                                           "process_group_timeout_s=30",
@@ -218,7 +224,9 @@ def test_distributed_bad_input_fails_with_exit_code(inputs, tmp_path, nproc, ove
     assert rc != 0
     assert_no_leftovers([run])
     assert message in run.output, run.output[-3000:]
-    assert not out.exists()
+    assert snapshot(out) == before, f"written before the error: {sorted(set(snapshot(out)) - set(before))}"
+    if not before:
+        assert not out.exists()
 
 
 # ---------------------------------------------------------------------------------------------------- library

@@ -150,6 +150,8 @@ def _kill_chain(recipe: str, kills: List[Kill], tmp: Path, base: Path, steps: in
     check_ok(_start(recipe, out, base, steps, final, ["resume_from_checkpoint=True"], nproc))
     last = logged(out / "logs" / final)
     assert sorted(last) == list(range(resumed_from + 1, steps + 1)), last
+    # The resumed run deleted the temporaries that the killed writes left.
+    assert not [e for e in hidden_entries(out) if ".tmp-" in e or ".old-" in e], hidden_entries(out)
     stitched: Dict[int, float] = {}
     for i in range(1, len(kills) + 2):
         stitched.update(logged(out / "logs" / f"run{i}"))

@@ -26,6 +26,7 @@ from torch import nn
 from torch._prims_common import make_contiguous_strides_for
 
 from torchtune_ext._compat import NF4Tensor, SubclassTensorArgs
+from torchtune_ext.modules._huge_pages import empty_with_huge_pages
 
 NF4_BLOCK_SIZE = 64
 NF4_SCALER_BLOCK_SIZE = 256
@@ -43,12 +44,14 @@ _NF4_LEVELS = [
 ]
 # fmt: on
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CODE_THRESHOLDS: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
-_CODE_TABLES: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
-_N_CODE_BINS = 2048
-# CPU (de)quantization works on chunks of this many values: no full-size temporaries, and few enough parallel
+_CODE_LUTS: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+# CPU dequantization works on chunks of this many values: no full-size temporaries, and few enough parallel
 # regions (each one stalls when a core is busy with another process).
 _CPU_CHUNK_NUMEL = 1 << 22
+# Quantization makes four temporaries per chunk; chunks this small keep them in cache (2x faster than 1 << 22).
+_CPU_QUANTIZE_CHUNK_NUMEL = 1 << 18
+# Quantization makes five temporaries per chunk: small enough chunks keep them in cache (2x faster than 1 << 22).
+_CPU_QUANTIZE_CHUNK_NUMEL = 1 << 18
 # On accelerators quantization still chunks (as torchao does) to bound its temporaries (about 16 bytes a value).
 _ACCELERATOR_CHUNK_NUMEL = 1 << 24
 # CPU linear_nf4 dequantizes slabs of about this many weights (at least _MIN_SLAB_DIM rows/columns) per matmul.
@@ -142,10 +145,9 @@ def quantize_nf4(
     """Quantizes ``tensor`` to NF4; the same NF4Tensor as torchao's ``to_nf4``, bit for bit, much faster.
 
     torchao finds each value's NF4 code as the argmin of its 16 distances to the NF4 levels (a 16x wide
-    temporary). Those codes are a non-decreasing function of the scaled value (the levels are sorted and
-    rounding is monotonic), so they equal the count of 15 thresholds at or below the value, computed once per dtype
-    with torchao's own nearest-level function (see :func:`_code_thresholds`). The count is a table lookup on a
-    fine grid of [-1, 1] plus one comparison (see :func:`_code_tables`). The double quantization of the block
+    temporary). Here the code is one lookup in a 65536-entry table indexed by the scaled value's top 16 bits, plus
+    one comparison for fp32; the tables are built once per dtype from torchao's own nearest-level function (see
+    :func:`_code_lut`), so the codes are its codes. The double quantization of the block
     scales is torchao's arithmetic, op for op. The work runs in chunks, so the temporaries stay small. A meta
     ``tensor`` gives a meta NF4Tensor with the inner tensors ``to_nf4`` would make.
 
@@ -170,20 +172,13 @@ def quantize_nf4(
     n_blocks = blocks.shape[0]
     absmax = torch.empty(n_blocks, dtype=tensor.dtype, device=tensor.device)
     packed = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=tensor.device)
-    base_codes, bin_thresholds = _code_tables(nf4)
-    chunk = max(1, (_CPU_CHUNK_NUMEL if tensor.device.type == "cpu" else _ACCELERATOR_CHUNK_NUMEL) // block_size)
+    chunk_numel = _CPU_QUANTIZE_CHUNK_NUMEL if tensor.device.type == "cpu" else _ACCELERATOR_CHUNK_NUMEL
+    chunk = max(1, chunk_numel // block_size)
     for start in range(0, n_blocks, chunk):
         stop = min(start + chunk, n_blocks)
         torch.amax(blocks[start:stop].abs(), dim=1, out=absmax[start:stop])
-        scaled = (blocks[start:stop] / absmax[start:stop].unsqueeze(-1)).view(-1)
-        # The bin of each scaled value in [-1, 1]; NaN (all-zero or infinite blocks) goes to bin 0 and, failing
-        # every comparison, gets code 0 as torchao's argmin over all-NaN distances does.
-        bins = scaled.float().mul(_N_CODE_BINS / 2).add_(_N_CODE_BINS / 2).nan_to_num_(0.0)
-        bins = bins.to(torch.int32).clamp_(0, _N_CODE_BINS - 1)
-        codes = base_codes.index_select(0, bins)
-        codes += scaled >= bin_thresholds.index_select(0, bins)
-        pairs = codes.view(-1, 2)
-        packed[start * block_size // 2 : stop * block_size // 2] = (pairs[:, 0] << 4) | pairs[:, 1]
+        codes = _nf4_codes((blocks[start:stop] / absmax[start:stop].unsqueeze(-1)).view(-1), nf4).view(-1, 2)
+        torch.bitwise_or(codes[:, 0] << 4, codes[:, 1], out=packed[start * block_size // 2 : stop * block_size // 2])
     quantized_scalers, quantization_factor, scaler_mean = _double_quantize_scalers(absmax, scaler_block_size)
     tensor_meta = SubclassTensorArgs(
         tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device, False
@@ -224,51 +219,74 @@ def _from_key(key: int, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor([bits], dtype=_INT_OF_SIZE[like.element_size()], device=like.device).view(like.dtype)
 
 
-def _code_thresholds(nf4: torch.Tensor) -> torch.Tensor:
-    """``t[i - 1]``: the smallest value of ``nf4.dtype`` that torchao's nearest-level search maps to a code >= i.
+def _code_lut(nf4: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Tables that give torchao's NF4 code of a scaled value from the value's top 16 bits (see :func:`_nf4_codes`).
 
-    Found by bisection over the values between levels ``i - 1`` and ``i``, evaluating torchao's own
-    ``NF4Tensor.quantize_tensor_nearest`` (so its rounding and tie-breaking are reproduced exactly).
+    For 16-bit dtypes the top 16 bits are the whole value: ``codes[bits]`` is torchao's
+    ``NF4Tensor.quantize_tensor_nearest`` of that value, evaluated once for all 65536 (so its rounding, tie-breaking
+    and NaN handling are reproduced exactly), and the second table is None. For fp32, key ``k`` holds the 65536
+    values whose bits are ``k << 16 | low``: ``codes[k]`` is the code of the smallest of them and ``thresholds[k]``
+    the one value among them where the code goes up by one (NaN if none: the comparison is then false). Codes
+    change at 15 thresholds 0.08 apart and a key spans at most 1/128 of its magnitude, so a key holds at most one.
     """
     key = (nf4.dtype, nf4.device)
-    thresholds = _CODE_THRESHOLDS.get(key)
-    if thresholds is None:
-        values = []
-        for code in range(1, 16):
-            low, high = _ordered_key(nf4[code - 1]), _ordered_key(nf4[code])
-            while high - low > 1:
-                mid = (low + high) // 2
-                if NF4Tensor.quantize_tensor_nearest(_from_key(mid, nf4), nf4).item() >= code:
-                    high = mid
-                else:
-                    low = mid
-            values.append(_from_key(high, nf4))
-        thresholds = torch.cat(values)
-        _CODE_THRESHOLDS[key] = thresholds
-    return thresholds
-
-
-def _code_tables(nf4: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per bin of a uniform grid of [-1, 1]: the code below the bin and the one threshold inside it (or +inf).
-
-    With ``b`` the bin of a scaled value ``v``, ``code(v) = base[b] + (v >= threshold[b])``. Each bin is widened by
-    a whole bin on both sides, so the rounding of ``b``'s computation cannot matter; the thresholds are 0.08
-    apart and a widened bin (3 / 1024 wide for 2048 bins) holds at most one.
-    """
-    key = (nf4.dtype, nf4.device)
-    tables = _CODE_TABLES.get(key)
-    if tables is None:
-        thresholds = _code_thresholds(nf4).double().cpu()
-        edges = torch.linspace(-1, 1, _N_CODE_BINS + 1, dtype=torch.float64)
-        margin = 2.0 / _N_CODE_BINS
-        below = torch.searchsorted(thresholds, edges[:-1] - margin, right=True)
-        upto = torch.searchsorted(thresholds, edges[1:] + margin, right=True)
-        assert int((upto - below).max()) <= 1, "NF4 code thresholds closer than the code-table bins"
-        inside = torch.cat([thresholds, thresholds.new_full((1,), float("inf"))])[below]
-        inside = torch.where(upto > below, inside, float("inf"))
-        tables = (below.to(torch.int32).to(nf4.device), inside.to(device=nf4.device, dtype=nf4.dtype))
-        _CODE_TABLES[key] = tables
+    tables = _CODE_LUTS.get(key)
+    if tables is not None:
+        return tables
+    int_type = _INT_OF_SIZE[nf4.element_size()]
+    keys = torch.arange(65536, dtype=torch.int64)
+    if nf4.element_size() == 2:
+        values = torch.where(keys >= 2**15, keys - 2**16, keys).to(int_type).view(nf4.dtype).to(nf4.device)
+        tables = (_nearest_codes(values, nf4), None)
+    else:
+        bits = torch.stack([keys << 16, keys << 16 | 0xFFFF], dim=1)
+        ends = torch.where(bits >= 2**31, bits - 2**32, bits).to(int_type).view(nf4.dtype).to(nf4.device)
+        low, high = ends.amin(dim=1), ends.amax(dim=1)
+        low_codes, high_codes = _nearest_codes(low, nf4), _nearest_codes(high, nf4)
+        # Scaled values lie in [-1, 1] or are NaN; beyond +-2 torchao's fp32 distances lose their precision and its
+        # codes stop being monotonic, so those keys (never looked up) keep the code of their low end.
+        in_range = (low >= -2) & (high <= 2)
+        steps = high_codes.int() - low_codes.int()
+        assert int(steps[in_range].max()) <= 1, "NF4 code thresholds closer than a key"
+        thresholds = torch.full_like(low, float("nan"))
+        for key_index in torch.nonzero((steps != 0) & in_range).flatten().tolist():
+            thresholds[key_index] = _first_value_with_code(low[key_index], high[key_index], nf4)
+        codes = torch.where(low.isnan(), _nearest_codes(nf4.new_full((1,), float("nan")), nf4), low_codes)
+        tables = (codes, thresholds)
+    _CODE_LUTS[key] = tables
     return tables
+
+
+def _nearest_codes(values: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
+    """torchao's NF4 codes of ``values`` (1-D), as uint8, in pieces that keep its 16-wide temporary small."""
+    return torch.cat([NF4Tensor.quantize_tensor_nearest(piece, nf4) for piece in values.split(4096)]).to(torch.uint8)
+
+
+def _first_value_with_code(low: torch.Tensor, high: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
+    """The smallest value in ``(low, high]`` whose torchao code is that of ``high``, by bisection over the values."""
+    code = _nearest_codes(high.view(1), nf4)
+    low_key, high_key = _ordered_key(low), _ordered_key(high)
+    while high_key - low_key > 1:
+        mid = (low_key + high_key) // 2
+        if _nearest_codes(_from_key(mid, nf4), nf4) == code:
+            high_key = mid
+        else:
+            low_key = mid
+    return _from_key(high_key, nf4)[0]
+
+
+def _nf4_codes(scaled: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
+    """torchao's NF4 codes (uint8) of the block-scaled values ``scaled`` (1-D, ``nf4.dtype``): one table lookup on
+    the top 16 bits of each value, plus one comparison for fp32 (see :func:`_code_lut`)."""
+    if nf4.element_size() > 4:
+        return NF4Tensor.quantize_tensor_nearest(scaled, nf4).to(torch.uint8)
+    codes, thresholds = _code_lut(nf4)
+    top_bits = scaled.view(torch.uint16)
+    if thresholds is None:
+        return codes.index_select(0, top_bits.to(torch.int32))
+    # Little-endian: the second uint16 of each fp32 holds its sign, exponent and top 7 mantissa bits.
+    keys = top_bits.view(-1, 2)[:, 1].to(torch.int32)
+    return codes.index_select(0, keys).add_(scaled >= thresholds.index_select(0, keys))
 
 
 def _meta_nf4(shape: torch.Size, dtype: torch.dtype, block_size: int, scaler_block_size: int) -> NF4Tensor:
@@ -340,7 +358,10 @@ def dequantize_nf4(weight: NF4Tensor, dtype: Optional[torch.dtype] = None) -> to
         return dequantize_nf4(weight.t(), dtype).t()
     if weight.is_meta:
         return torch.empty(weight.shape, dtype=out_dtype, device=weight.device)
-    out = torch.empty(weight.shape, dtype=out_dtype, device=weight.device)
+    if weight.device.type == "cpu":
+        out = empty_with_huge_pages(weight.shape, out_dtype)
+    else:
+        out = torch.empty(weight.shape, dtype=out_dtype, device=weight.device)
     _dequantize_into(weight, out.view(-1, weight.block_size))
     return out
 

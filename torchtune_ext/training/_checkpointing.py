@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -78,11 +79,13 @@ def atomic_directory(final: PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _fsync_tree(tmp)
     old = None
     if final.exists():
         old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
         os.rename(final, old)
     os.rename(tmp, final)
+    _fsync(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -103,8 +106,53 @@ def atomic_save(obj: Any, path: PathLike) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _fsync(path: Path) -> None:
+    """Flushes a file, or a folder's entries (POSIX only: other systems cannot open a folder), to disk."""
+    if path.is_dir() and os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flushes every file and folder under ``folder``, and ``folder`` itself, so a renamed checkpoint survives a
+    machine crash with its data."""
+    for path in sorted(folder.rglob("*"), reverse=True):
+        _fsync(path)
+    _fsync(folder)
+
+
+_STALE_TEMPORARY = re.compile(r"^\..+\.(tmp|old)-[0-9a-f]{8}$")
+
+
+def remove_stale_temporaries(folder: PathLike) -> List[Path]:
+    """Deletes the temporary files and folders that killed writes of :func:`atomic_directory` and
+    :func:`atomic_save` left directly in ``folder`` (``.NAME.tmp-XXXXXXXX``, ``.NAME.old-XXXXXXXX``).
+
+    Call it only while nothing writes into ``folder``.
+
+    Args:
+        folder (PathLike): an output folder; a missing one is fine.
+
+    Returns:
+        List[Path]: what was deleted.
+    """
+    folder = Path(folder)
+    stale = sorted(p for p in folder.iterdir() if _STALE_TEMPORARY.match(p.name)) if folder.is_dir() else []
+    for path in stale:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return stale
 
 
 def check_writable(folder: PathLike, what: str) -> None:
@@ -474,6 +522,16 @@ class QLoRAHFCheckpointer:
                     model, tmp / MERGED_DIRNAME, dtype, adapter_config["rank"], adapter_config["alpha"]
                 )
         return final
+
+    def remove_stale_temporaries(self) -> List[Path]:
+        """Deletes what writes killed in an earlier run left in ``output_dir`` and its recipe-state folder (see
+        :func:`remove_stale_temporaries`); call it before this run's first write.
+
+        Returns:
+            List[Path]: what was deleted.
+        """
+        folders = {self.output_dir, self.output_dir / RECIPE_STATE_DIRNAME, self.recipe_checkpoint.parent}
+        return [path for folder in sorted(folders) for path in remove_stale_temporaries(folder)]
 
     def save_recipe_state(self, state: Dict[str, Any]) -> Path:
         """Atomically writes the recipe state for resuming.

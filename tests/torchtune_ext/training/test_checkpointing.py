@@ -19,6 +19,7 @@ from torchtune_ext.training._checkpointing import (
     atomic_save,
     check_materialized,
     materialize_adapters_,
+    remove_stale_temporaries,
     resolve_checkpoint_files,
 )
 from torchtune_ext.training._hf import HFConverter
@@ -293,6 +294,23 @@ def test_atomic_directory_leaves_nothing_on_failure_and_replaces_on_success(tmp_
         (tmp / "b").write_text("2")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert [p.name for p in final.iterdir()] == ["b"]
+
+
+def test_remove_stale_temporaries_deletes_only_killed_writes(tmp_path):
+    stale_dir = tmp_path / ".step_4.tmp-0123abcd"
+    (stale_dir / "adapter").mkdir(parents=True)
+    (stale_dir / "adapter" / "adapter_model.safetensors").write_bytes(b"half")
+    (tmp_path / ".step_2.old-89abcdef").mkdir()
+    (tmp_path / ".recipe_state.pt.tmp-00000000").write_bytes(b"half")
+    kept = ["step_2", ".hidden_user_file", "notes.tmp-0123abcd", ".step_6.tmp-xyz"]
+    (tmp_path / "step_2").mkdir()
+    for name in kept[1:]:
+        (tmp_path / name).write_text("keep")
+    removed = remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in removed) == [".recipe_state.pt.tmp-00000000", ".step_2.old-89abcdef",
+                                               ".step_4.tmp-0123abcd"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+    assert remove_stale_temporaries(tmp_path / "missing") == []
 
 
 def test_atomic_save_replaces_the_file(tmp_path):
