@@ -3,7 +3,8 @@
 Cases: the tiny Llama-style model (q/k rows permuted between torchtune and HF, Llama 3 RoPE scaling, tied
 embeddings), the same with DoRA (magnitudes follow the q/k permutation), the tiny Qwen-style model (q/k/v biases,
 no permutation, tied embeddings), all through the single-device recipe, and the Llama-style model through the
-distributed recipe (2 gloo ranks) with vocab pruning, whose export must have the full vocabulary again. Each
+distributed recipe (2 gloo ranks) with vocab pruning, whose export must have the full vocabulary again, and an
+untied Llama-style model with vocab pruning (pruned ``lm_head`` rows, exported as PEFT trainable tokens). Each
 recipe trains a few fp32 steps with LoRA on every attention and MLP projection and saves the PEFT adapter and the
 merged model. Then:
 
@@ -70,6 +71,12 @@ CASES: Dict[str, Case] = {
     "llama_vocab_pruned": Case(
         *_DISTRIBUTED, ("vocab_pruning.enabled=True", "process_group_timeout_s=60"), nproc=2, vocab_pruned=True
     ),
+    # An untied output (as Llama 3.1 8B): the pruned lm_head rows train too and export as lm_head trainable tokens.
+    "llama_untied_vocab_pruned": Case(*_SINGLE, (
+        "vocab_pruning.enabled=True",
+        "model.tie_word_embeddings=False",
+        "generate_base_checkpoint.tie_word_embeddings=False",
+    ), vocab_pruned=True),
 }
 
 
@@ -213,9 +220,19 @@ def test_adapter_is_trained_and_changes_the_logits(export):
     if export.kept_ids is None:
         assert indices is None
     else:
-        assert indices == {"embed_tokens": export.kept_ids.tolist()}
-        rows = adapter["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"]
-        assert rows.shape == (len(export.kept_ids), OmegaConf.load(export.base_dir / "config.json").hidden_size)
+        assert _tied(export) == ("model.tie_word_embeddings=False" not in export.case.overrides)
+        modules = ["embed_tokens"] + ([] if _tied(export) else ["lm_head"])
+        assert indices == {name: export.kept_ids.tolist() for name in modules}
+        hidden_size = OmegaConf.load(export.base_dir / "config.json").hidden_size
+        for name in modules:
+            prefix = "base_model.model." + ("model." if name == "embed_tokens" else "")
+            rows = adapter[f"{prefix}{name}.token_adapter.trainable_tokens_delta"]
+            assert rows.shape == (len(export.kept_ids), hidden_size)
+            assert rows.abs().max() > 0
+
+
+def _tied(export: Export) -> bool:
+    return OmegaConf.load(export.base_dir / "config.json").tie_word_embeddings
 
 
 def test_merged_folder_is_a_plain_full_vocabulary_hf_checkpoint(export):
@@ -225,7 +242,7 @@ def test_merged_folder_is_a_plain_full_vocabulary_hf_checkpoint(export):
     shards = set(index["weight_map"].values())
     assert shards and shards <= names and "config.json" in names
     report, base = export.report["merged"], export.report["original_base"]
-    assert report["tied"] and report["dtype"] == "torch.float32"
+    assert report["tied"] == base["tied"] == _tied(export) and report["dtype"] == "torch.float32"
     assert report["vocab_size"] == base["vocab_size"]
     if export.kept_ids is not None:
         assert len(export.kept_ids) < base["vocab_size"]

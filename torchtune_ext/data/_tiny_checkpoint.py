@@ -26,6 +26,7 @@ def write_tiny_checkpoint(
     seed: int = 0,
     std: float = 0.02,
     embedding_std: float = 0.06,
+    tie_word_embeddings: bool = True,
     overwrite: bool = False,
 ) -> Path:
     """Writes the tiny model's random-init HF checkpoint (``config.json`` + ``model.safetensors``) if missing.
@@ -40,6 +41,8 @@ def write_tiny_checkpoint(
         std (float): init standard deviation.
         embedding_std (float): standard deviation of the (tied) token embedding; a larger one than ``std`` lets
             the frozen output projection reach confident predictions, so that the adapters can learn fast.
+        tie_word_embeddings (bool): False writes a separate ``lm_head.weight`` (train with
+            ``model.tie_word_embeddings=False``), as Llama 3.1 8B and Qwen 2.5 7B have.
         overwrite (bool): rewrite even if the folder holds a checkpoint.
 
     Returns:
@@ -57,8 +60,8 @@ def write_tiny_checkpoint(
     builder, args, hf_config, model_type = _FAMILIES[family]
     torch_dtype = parse_dtype(dtype, torch.device("cpu"))
     with set_default_dtype(torch_dtype), torch.device("meta"):
-        model = builder(lora_attn_modules=["q_proj"])
+        model = builder(lora_attn_modules=["q_proj"], tie_word_embeddings=tie_word_embeddings)
+    config = hf_config(**{**args, "tie_word_embeddings": tie_word_embeddings}, dtype=torch_dtype)
     return write_random_hf_checkpoint(
-        checkpoint_dir, model, model_type, hf_config(**args, dtype=torch_dtype), dtype=torch_dtype, seed=seed, std=std,
-        embedding_std=embedding_std,
+        checkpoint_dir, model, model_type, config, dtype=torch_dtype, seed=seed, std=std, embedding_std=embedding_std
     )
