@@ -33,8 +33,7 @@ from pathlib import Path
 from typing import Dict
 
 ROOT = Path(__file__).resolve().parents[1]
-LORA = dict(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=64,
-            lora_alpha=128)
+LORA = dict(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=64, lora_alpha=128)
 GIB = 1024**3
 MIB = 1024**2
 
@@ -61,8 +60,10 @@ def _model_bytes(model) -> int:
     total = 0
     for tensor in list(model.parameters()) + list(model.buffers()):
         if isinstance(tensor, NF4Tensor):
-            total += sum(getattr(tensor, n).numel() * getattr(tensor, n).element_size()
-                         for n in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"))
+            total += sum(
+                getattr(tensor, n).numel() * getattr(tensor, n).element_size()
+                for n in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
+            )
         else:
             total += tensor.numel() * tensor.element_size()
     return total
@@ -83,8 +84,15 @@ def ensure_checkpoint(cache: Path) -> Path:
     print(f"writing a random Llama-3.2-1B-shaped checkpoint to {path} (once) ...", flush=True)
     with set_default_dtype(torch.bfloat16), torch.device("meta"):
         model = llama3_2_1b()
-    config = llama3_2_hf_config(vocab_size=128_256, num_layers=16, num_heads=32, num_kv_heads=8, embed_dim=2048,
-                                intermediate_dim=8192, max_seq_len=131072)
+    config = llama3_2_hf_config(
+        vocab_size=128_256,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        embed_dim=2048,
+        intermediate_dim=8192,
+        max_seq_len=131072,
+    )
     write_random_hf_checkpoint(path, model, "LLAMA3_2", config, dtype=torch.bfloat16, seed=0)
     return path
 
@@ -127,7 +135,10 @@ def _run_worker(which: str, dtype: str, checkpoint: Path, cache: Path) -> Dict[s
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
         [sys.executable, __file__, "--worker", which, "--dtypes", dtype, "--cache", str(cache)],
-        env=env, capture_output=True, text=True, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if result.returncode != 0:
         raise RuntimeError(f"{which} {dtype} failed:\n{result.stderr[-4000:]}")
@@ -140,7 +151,7 @@ def write_notes_section(path: Path, name: str, text: str) -> None:
     old = path.read_text() if path.exists() else "# Recipe benchmarks (bench/recipe.py, bench/load.py)\n"
     block = f"{begin}\n{text.rstrip()}\n{end}\n"
     if begin in old and end in old:
-        new = old[: old.index(begin)] + block + old[old.index(end) + len(end) + 1:]
+        new = old[: old.index(begin)] + block + old[old.index(end) + len(end) + 1 :]
     else:
         new = old.rstrip() + "\n\n" + block
     path.write_text(new)
@@ -169,11 +180,14 @@ def main() -> None:
         theirs = _run_worker("torchtune", dtype, checkpoint, cache)
         max_logit_diff = max(abs(a - b) for a, b in zip(ours["logits"], theirs["logits"]))
         rows.append((dtype, ours, theirs, max_logit_diff))
-        print(f"{dtype}: ours {ours['seconds']:.1f} s, peak +{ours['peak_bytes'] / GIB:.2f} GiB (model "
-              f"{ours['model_bytes'] / GIB:.2f} GiB) | torchtune {theirs['seconds']:.1f} s, peak "
-              f"+{theirs['peak_bytes'] / GIB:.2f} GiB (model {theirs['model_bytes'] / GIB:.2f} GiB) | time ratio "
-              f"{ours['seconds'] / theirs['seconds']:.3f}x, peak ratio {ours['peak_bytes'] / theirs['peak_bytes']:.3f}x"
-              f" | logits max diff {max_logit_diff:.2e}", flush=True)
+        print(
+            f"{dtype}: ours {ours['seconds']:.1f} s, peak +{ours['peak_bytes'] / GIB:.2f} GiB (model "
+            f"{ours['model_bytes'] / GIB:.2f} GiB) | torchtune {theirs['seconds']:.1f} s, peak "
+            f"+{theirs['peak_bytes'] / GIB:.2f} GiB (model {theirs['model_bytes'] / GIB:.2f} GiB) | time ratio "
+            f"{ours['seconds'] / theirs['seconds']:.3f}x, peak ratio {ours['peak_bytes'] / theirs['peak_bytes']:.3f}x"
+            f" | logits max diff {max_logit_diff:.2e}",
+            flush=True,
+        )
 
     load = os.getloadavg()
     lines = [

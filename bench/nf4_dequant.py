@@ -95,7 +95,6 @@ def _print_table(rows: List[Dict]) -> None:
         )
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="only 4096x4096, 3 reps")

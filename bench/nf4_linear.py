@@ -123,7 +123,6 @@ def _print_table(rows: List[Dict], device: torch.device) -> None:
         print(line)
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="only 4096x4096 at 512 tokens, 3 reps")

@@ -119,8 +119,20 @@ def worker(which: str, dtype: str, device: str, steps: int, base: Path) -> Dict[
 
 def _run_worker(which: str, dtype: str, device: str, steps: int, base: Path) -> Dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, __file__, "--worker", which, "--dtypes", dtype, "--device", device, "--steps", str(steps),
-           "--base", str(base)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        which,
+        "--dtypes",
+        dtype,
+        "--device",
+        device,
+        "--steps",
+        str(steps),
+        "--base",
+        str(base),
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{which} {dtype} failed:\n{result.stderr[-4000:]}")
@@ -159,11 +171,14 @@ def main() -> None:
             best["peak_bytes"] = max(r["peak_bytes"] for r in results[which])
         rows.append((dtype, ours, theirs))
         print(f"{dtype}: ours {ours['all_tokens_per_second']} tok/s, torchtune {theirs['all_tokens_per_second']}")
-        print(f"{dtype}: ours {ours['tokens_per_second']:.0f} tok/s, peak {ours['peak_bytes'] / GIB:.2f} GiB | "
-              f"torchtune {theirs['tokens_per_second']:.0f} tok/s, peak {theirs['peak_bytes'] / GIB:.2f} GiB | "
-              f"tok/s ratio {ours['tokens_per_second'] / theirs['tokens_per_second']:.2f}x, peak ratio "
-              f"{ours['peak_bytes'] / theirs['peak_bytes']:.2f}x | first loss {ours['first_loss']:.4f} vs "
-              f"{theirs['first_loss']:.4f}", flush=True)
+        print(
+            f"{dtype}: ours {ours['tokens_per_second']:.0f} tok/s, peak {ours['peak_bytes'] / GIB:.2f} GiB | "
+            f"torchtune {theirs['tokens_per_second']:.0f} tok/s, peak {theirs['peak_bytes'] / GIB:.2f} GiB | "
+            f"tok/s ratio {ours['tokens_per_second'] / theirs['tokens_per_second']:.2f}x, peak ratio "
+            f"{ours['peak_bytes'] / theirs['peak_bytes']:.2f}x | first loss {ours['first_loss']:.4f} vs "
+            f"{theirs['first_loss']:.4f}",
+            flush=True,
+        )
 
     memory = "CUDA peak allocated" if args.device == "cuda" else "peak RSS of the process"
     load = os.getloadavg()

@@ -191,7 +191,10 @@ class QLoRAFinetuneRecipeDistributed(QLoRARecipeBase):
         pruning_cfg = self._vocab_pruning_cfg
         if pruning_cfg is not None:
             self._pruning = prune_vocab_(
-                model, self._kept_ids, dtype=pruning_cfg["dtype"], unknown_token_id=pruning_cfg["unknown_token_id"],
+                model,
+                self._kept_ids,
+                dtype=pruning_cfg["dtype"],
+                unknown_token_id=pruning_cfg["unknown_token_id"],
                 trainable=pruning_cfg["trainable"],
             )
         set_trainable_params(model, get_adapter_params(model))
@@ -217,8 +220,11 @@ class QLoRAFinetuneRecipeDistributed(QLoRARecipeBase):
         self._replicated_params = replicated_params(model)
         adapter_params = {k: p for k, p in zip(self._adapter_keys, get_adapter_params(model).values())}
         # LoRA/DoRA params in the adapter dtype; a pruned output's live in the vocab-pruning dtype.
-        lora_params = {k: p for k, p in adapter_params.items()
-                       if ("lora" in k or "magnitude" in k) and not k.startswith("tok_embeddings.")}
+        lora_params = {
+            k: p
+            for k, p in adapter_params.items()
+            if ("lora" in k or "magnitude" in k) and not k.startswith("tok_embeddings.")
+        }
         check_param_dtypes(lora_params.items(), self._adapter_dtype, "adapter")
         if self.rank > 0:
             # Own RNG streams per rank from here on (dropout), as torchtune's seed + rank.
@@ -239,16 +245,24 @@ class QLoRAFinetuneRecipeDistributed(QLoRARecipeBase):
         (FSDP moves them to the device for compute) and unsharded ones (a replicated vocab-pruning module) to the
         device."""
         if not self._fsdp_cpu_offload:
-            load_full_state_dict(self._model, state_dict, device=self._device, strict=False,
-                                 broadcast_from_rank0=broadcast_from_rank0)
+            load_full_state_dict(
+                self._model, state_dict, device=self._device, strict=False, broadcast_from_rank0=broadcast_from_rank0
+            )
             return
-        sharded_keys = {unwrap_key(self._model, k) for k, v in self._model.state_dict(keep_vars=True).items()
-                        if isinstance(v, DTensor)}
+        sharded_keys = {
+            unwrap_key(self._model, k)
+            for k, v in self._model.state_dict(keep_vars=True).items()
+            if isinstance(v, DTensor)
+        }
         for keep_sharded, device in ((True, torch.device("cpu")), (False, self._device)):
-            part = None if state_dict is None else \
-                {k: v for k, v in state_dict.items() if (k in sharded_keys) == keep_sharded}
-            load_full_state_dict(self._model, part, device=device, strict=False,
-                                 broadcast_from_rank0=broadcast_from_rank0)
+            part = (
+                None
+                if state_dict is None
+                else {k: v for k, v in state_dict.items() if (k in sharded_keys) == keep_sharded}
+            )
+            load_full_state_dict(
+                self._model, part, device=device, strict=False, broadcast_from_rank0=broadcast_from_rank0
+            )
 
     def _load_chunks(self) -> List[Tuple[Any, int]]:
         """The loading plan, the same on every rank (from the files' headers): ``(file, tensor count)`` per chunk of
@@ -294,8 +308,11 @@ class QLoRAFinetuneRecipeDistributed(QLoRARecipeBase):
             self._load(state, broadcast_from_rank0=True)
             del state
         if self._pruning is not None:
-            pruned = prune_state_dict(vocab, self._kept_ids, dtype=self._vocab_pruning_cfg["dtype"]) \
-                if self._is_rank_zero else None
+            pruned = (
+                prune_state_dict(vocab, self._kept_ids, dtype=self._vocab_pruning_cfg["dtype"])
+                if self._is_rank_zero
+                else None
+            )
             del vocab
             self._load(pruned, broadcast_from_rank0=True)
 
@@ -452,9 +469,7 @@ def _like_param(value: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     """A full optimizer-state tensor laid out like ``param``: this rank's shard for a DTensor param."""
     if isinstance(param, DTensor):
         local = param.to_local()
-        return distribute_tensor(
-            value.to(local.device), param.device_mesh, param.placements, src_data_rank=None
-        )
+        return distribute_tensor(value.to(local.device), param.device_mesh, param.placements, src_data_rank=None)
     return value.to(param.device)
 
 

@@ -99,8 +99,9 @@ class QLoRAFinetuneRecipeSingleDevice(QLoRARecipeBase):
             )
         if self._vocab_pruning_cfg is not None:
             self._resolve_kept_ids(dataset, val_dataset)
-        self._loss_scaler = LossScaler(enabled=self._dtype == torch.float16, device=self._device,
-                                       **cfg.get("loss_scaler", {}))
+        self._loss_scaler = LossScaler(
+            enabled=self._dtype == torch.float16, device=self._device, **cfg.get("loss_scaler", {})
+        )
         state = self._checkpointer.load_recipe_state() if self._resume_from_checkpoint else None
         if state is not None:
             self._check_recipe_state(state)
@@ -128,8 +129,11 @@ class QLoRAFinetuneRecipeSingleDevice(QLoRARecipeBase):
             # The pruned module's (overwritten) init must not shift the RNG streams dropout and data draw from.
             with torch.random.fork_rng(devices=[self._device] if self._device.type == "cuda" else []):
                 self._pruning = prune_vocab_(
-                    self._model, self._kept_ids, dtype=pruning_cfg["dtype"],
-                    unknown_token_id=pruning_cfg["unknown_token_id"], trainable=pruning_cfg["trainable"],
+                    self._model,
+                    self._kept_ids,
+                    dtype=pruning_cfg["dtype"],
+                    unknown_token_id=pruning_cfg["unknown_token_id"],
+                    trainable=pruning_cfg["trainable"],
                 )
         self._adapter_params = get_adapter_params(self._model)
         if state is not None:
@@ -138,18 +142,18 @@ class QLoRAFinetuneRecipeSingleDevice(QLoRARecipeBase):
         # LoRA/DoRA params in the adapter dtype; pruned rows (and a pruned output's adapters) in the pruning dtype.
         check_param_dtypes(
             [(k, p) for k, p in self._adapter_params.items() if not k.startswith("tok_embeddings.")],
-            self._adapter_dtype, "adapter",
+            self._adapter_dtype,
+            "adapter",
         )
         if self._enable_activation_checkpointing:
-            training.set_activation_checkpointing(
-                self._model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
+            training.set_activation_checkpointing(self._model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
         if self._compile:
             training.compile_model(self._model)
         log.info(
             f"Loaded {self._checkpointer.checkpoint_dir} into NF4 in {time.perf_counter() - start:.1f} s: compute "
             f"dtype {self._dtype}, adapters {self._adapter_dtype}, device {self._device}"
-            + (f", vocab pruning in {pruning_cfg['dtype']}" if pruning_cfg else "") + "."
+            + (f", vocab pruning in {pruning_cfg['dtype']}" if pruning_cfg else "")
+            + "."
         )
 
     @torch.no_grad()

@@ -19,16 +19,21 @@ def _free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors: Any) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
     )
     import datetime
 
     import torch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S)
+    )
     try:
         fn(rank, world_size, *args)
     except BaseException:

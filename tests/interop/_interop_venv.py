@@ -115,7 +115,11 @@ def hf_logits(
     env.pop("PYTHONPATH", None)  # nothing of this project (or torchtune) may leak into the HF side
     result = subprocess.run(
         [str(python), str(HF_SIDE), str(spec), str(out), str(report)],
-        capture_output=True, text=True, timeout=HF_SIDE_TIMEOUT_S, env=env, cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=HF_SIDE_TIMEOUT_S,
+        env=env,
+        cwd=workdir,
     )
     assert result.returncode == 0, f"the HF side failed (rc {result.returncode}):\n{result.stderr[-6000:]}"
     return load_file(str(out)), json.loads(report.read_text())

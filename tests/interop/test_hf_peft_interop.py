@@ -63,20 +63,27 @@ _DISTRIBUTED = ("recipes/qlora_finetune_distributed.py", "configs/tiny/qlora_dis
 CASES: Dict[str, Case] = {
     "llama": Case(*_SINGLE),
     "llama_dora": Case(*_SINGLE, ("model.use_dora=True",)),
-    "qwen": Case(*_SINGLE, (
-        "generate_base_checkpoint.family=qwen",
-        "model._component_=torchtune_ext.models.qlora_tiny_qwen",
-        "checkpointer.model_type=QWEN2",
-    )),
+    "qwen": Case(
+        *_SINGLE,
+        (
+            "generate_base_checkpoint.family=qwen",
+            "model._component_=torchtune_ext.models.qlora_tiny_qwen",
+            "checkpointer.model_type=QWEN2",
+        ),
+    ),
     "llama_vocab_pruned": Case(
         *_DISTRIBUTED, ("vocab_pruning.enabled=True", "process_group_timeout_s=60"), nproc=2, vocab_pruned=True
     ),
     # An untied output (as Llama 3.1 8B): the pruned lm_head rows train too and export as lm_head trainable tokens.
-    "llama_untied_vocab_pruned": Case(*_SINGLE, (
-        "vocab_pruning.enabled=True",
-        "model.tie_word_embeddings=False",
-        "generate_base_checkpoint.tie_word_embeddings=False",
-    ), vocab_pruned=True),
+    "llama_untied_vocab_pruned": Case(
+        *_SINGLE,
+        (
+            "vocab_pruning.enabled=True",
+            "model.tie_word_embeddings=False",
+            "generate_base_checkpoint.tie_word_embeddings=False",
+        ),
+        vocab_pruned=True,
+    ),
 }
 
 
@@ -126,7 +133,10 @@ def _train(case: Case, out: Path, base: Path) -> DictConfig:
     nproc = ["--nproc_per_node", str(case.nproc)] if case.nproc else []
     result = subprocess.run(
         [str(TUNE), "run", *nproc, case.recipe, "--config", case.config, *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1" if case.nproc else "2"},
     )
     assert result.returncode == 0, f"recipe run failed (rc {result.returncode}):\n{result.stderr[-6000:]}"
@@ -156,8 +166,9 @@ def _ours(cfg: DictConfig, run_dir: Path, input_ids: torch.Tensor, kept_ids: Opt
     model.eval()
     untrained = model(input_ids)
     # Only the merged folder of this save is used; the adapter config does not matter for it.
-    adapter_config = dict(target_modules=["q_proj"], rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha,
-                          dropout=0.0, use_dora=False)
+    adapter_config = dict(
+        target_modules=["q_proj"], rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha, dropout=0.0, use_dora=False
+    )
     dequantized = checkpointer.save(model, 0, adapter_config, save_merged=True, dtype=torch.float32) / "merged"
 
     if kept_ids is not None:
@@ -216,7 +227,8 @@ def test_adapter_is_trained_and_changes_the_logits(export):
     assert changed > 1000 * ATOL
     # Vocab pruning trains the kept embedding rows: the adapter carries them as PEFT trainable tokens.
     indices = OmegaConf.to_container(OmegaConf.load(export.adapter_dir / "adapter_config.json")).get(
-        "trainable_token_indices")
+        "trainable_token_indices"
+    )
     if export.kept_ids is None:
         assert indices is None
     else:

@@ -19,10 +19,14 @@ REAL = sorted(p for p in CONFIGS.glob("*/*_qlora_single_device.yaml"))
 def test_every_model_family_has_a_config():
     names = {str(p.relative_to(CONFIGS)) for p in REAL}
     assert names == {
-        "llama2/7B_qlora_single_device.yaml", "llama3_1/8B_qlora_single_device.yaml",
-        "llama3_2/1B_qlora_single_device.yaml", "llama3_2/3B_qlora_single_device.yaml",
-        "mistral/7B_qlora_single_device.yaml", "qwen2_5/0.5B_qlora_single_device.yaml",
-        "qwen2_5/1.5B_qlora_single_device.yaml", "qwen2_5/3B_qlora_single_device.yaml",
+        "llama2/7B_qlora_single_device.yaml",
+        "llama3_1/8B_qlora_single_device.yaml",
+        "llama3_2/1B_qlora_single_device.yaml",
+        "llama3_2/3B_qlora_single_device.yaml",
+        "mistral/7B_qlora_single_device.yaml",
+        "qwen2_5/0.5B_qlora_single_device.yaml",
+        "qwen2_5/1.5B_qlora_single_device.yaml",
+        "qwen2_5/3B_qlora_single_device.yaml",
         "qwen2_5/7B_qlora_single_device.yaml",
     }
 

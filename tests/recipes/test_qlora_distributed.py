@@ -62,9 +62,11 @@ def _env() -> Dict[str, str]:
 
 
 def _tune_run(recipe: str, args: List[str], nproc: int = 0) -> subprocess.CompletedProcess:
-    cmd = [str(TUNE), "run"] + (["--nproc_per_node", str(nproc)] if nproc else []) + [
-        recipe, "--config", str(CONFIG), *args
-    ]
+    cmd = (
+        [str(TUNE), "run"]
+        + (["--nproc_per_node", str(nproc)] if nproc else [])
+        + [recipe, "--config", str(CONFIG), *args]
+    )
     return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
@@ -189,9 +191,15 @@ def _vocab_pruning_worker(rank: int, world_size: int, base: str, tmp: str, refer
     if rank == 0:
         kept_file.write_text(json.dumps(permutation))
     dist.barrier()
-    recipe = _train(tmp / "permuted", base, [
-        "vocab_pruning.enabled=True", f"vocab_pruning.kept_ids={kept_file}", "vocab_pruning.trainable=False",
-    ])
+    recipe = _train(
+        tmp / "permuted",
+        base,
+        [
+            "vocab_pruning.enabled=True",
+            f"vocab_pruning.kept_ids={kept_file}",
+            "vocab_pruning.trainable=False",
+        ],
+    )
     losses = recipe.loss_history
     assert max(abs(a - b) for a, b in zip(losses, reference_losses)) < 1e-4, (losses, reference_losses)
 
@@ -249,10 +257,14 @@ def _bad_input_worker(rank: int, world_size: int, base: str, tmp: str) -> None:
         "fsdp_cpu_offload": (["fsdp_cpu_offload=True"], "needs an accelerator"),
         "global_batch": (["global_batch_size=3"], "cannot be split evenly over 2 ranks"),
         "too_few_samples": (["dataset.num_samples=5"], "fewer than one batch per rank"),
-        "ids_out_of_range": ([f"vocab_pruning.kept_ids={tmp / 'out_of_range.json'}", "vocab_pruning.enabled=True"],
-                             "outside the vocabulary"),
-        "ids_duplicated": ([f"vocab_pruning.kept_ids={tmp / 'duplicated.json'}", "vocab_pruning.enabled=True"],
-                           "duplicated id"),
+        "ids_out_of_range": (
+            [f"vocab_pruning.kept_ids={tmp / 'out_of_range.json'}", "vocab_pruning.enabled=True"],
+            "outside the vocabulary",
+        ),
+        "ids_duplicated": (
+            [f"vocab_pruning.kept_ids={tmp / 'duplicated.json'}", "vocab_pruning.enabled=True"],
+            "duplicated id",
+        ),
         "sharding": (["vocab_pruning.enabled=True", "vocab_pruning.sharding=both"], "vocab_pruning.sharding"),
     }
     for name, (extra, message) in cases.items():

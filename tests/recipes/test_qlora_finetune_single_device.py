@@ -47,8 +47,14 @@ TUNE = Path(sys.executable).parent / "tune"
 TORCHTUNE_RECIPE = Path(torchtune.__file__).parent.parent / "recipes" / "lora_finetune_single_device.py"
 
 STEPS = 6
-SMALL = [f"max_steps_per_epoch={STEPS}", "batch_size=8", "gradient_accumulation_steps=2", "model.lora_dropout=0.1",
-         "run_val_every_n_steps=3", "max_validation_steps=2"]
+SMALL = [
+    f"max_steps_per_epoch={STEPS}",
+    "batch_size=8",
+    "gradient_accumulation_steps=2",
+    "model.lora_dropout=0.1",
+    "run_val_every_n_steps=3",
+    "max_validation_steps=2",
+]
 
 
 def _load_module(path: Path, name: str):
@@ -62,7 +68,11 @@ def tune_run(*overrides: str, check: bool = True) -> subprocess.CompletedProcess
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [str(TUNE), "run", str(RECIPE.relative_to(REPO)), "--config", str(CONFIG), *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if check and result.returncode != 0:
         raise AssertionError(f"recipe failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
@@ -139,32 +149,54 @@ class _Capture:
 
 
 def _parity_cfg(base: Path, out: Path, ours: bool):
-    lora = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
-                lora_rank=8, lora_alpha=16, lora_dropout=0.0)
+    lora = dict(
+        lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
+        apply_lora_to_mlp=True,
+        lora_rank=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+    )
     cfg = {
         "output_dir": str(out),
-        "model": {"_component_": "torchtune_ext.models.qlora_tiny_llama" if ours else
-                  "torchtune_ext.models.lora_tiny_llama", **lora, **({} if ours else {"quantize_base": True})},
+        "model": {
+            "_component_": "torchtune_ext.models.qlora_tiny_llama" if ours else "torchtune_ext.models.lora_tiny_llama",
+            **lora,
+            **({} if ours else {"quantize_base": True}),
+        },
         "tokenizer": {"_component_": "torchtune_ext.data.tiny_tokenizer", "max_seq_len": 64},
         "checkpointer": {
-            "_component_": "torchtune_ext.training._checkpointing.QLoRAHFCheckpointer" if ours else
-            "torchtune.training.FullModelHFCheckpointer",
-            "checkpoint_dir": str(base), "checkpoint_files": ["model.safetensors"], "model_type": "LLAMA3_2",
+            "_component_": "torchtune_ext.training._checkpointing.QLoRAHFCheckpointer"
+            if ours
+            else "torchtune.training.FullModelHFCheckpointer",
+            "checkpoint_dir": str(base),
+            "checkpoint_files": ["model.safetensors"],
+            "model_type": "LLAMA3_2",
             "output_dir": str(out),
         },
         "resume_from_checkpoint": False,
         "save_adapter_weights_only": True,
         "dataset": {"_component_": "torchtune_ext.data.tiny_instruct_dataset", "num_samples": 64},
-        "seed": 0, "shuffle": True, "batch_size": 4,
+        "seed": 0,
+        "shuffle": True,
+        "batch_size": 4,
         "optimizer": {"_component_": "torch.optim.AdamW", "lr": 3e-3, "weight_decay": 0.01},
-        "lr_scheduler": {"_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
-                         "num_warmup_steps": 2},
+        "lr_scheduler": {
+            "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            "num_warmup_steps": 2,
+        },
         "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
-        "epochs": 1, "max_steps_per_epoch": 4, "gradient_accumulation_steps": 2, "clip_grad_norm": 1.0,
-        "compile": False, "enable_activation_checkpointing": False, "enable_activation_offloading": False,
-        "log_peak_memory_stats": False, "log_every_n_steps": 1,
+        "epochs": 1,
+        "max_steps_per_epoch": 4,
+        "gradient_accumulation_steps": 2,
+        "clip_grad_norm": 1.0,
+        "compile": False,
+        "enable_activation_checkpointing": False,
+        "enable_activation_offloading": False,
+        "log_peak_memory_stats": False,
+        "log_every_n_steps": 1,
         "metric_logger": {"_component_": f"{__name__}._Capture"},
-        "device": "cpu", "dtype": "fp32",
+        "device": "cpu",
+        "dtype": "fp32",
     }
     return OmegaConf.create(cfg)
 
@@ -218,11 +250,14 @@ def test_dtype_overrides_run_and_track_fp32(runs, dtype, tolerance):
     assert max(abs(a - b) for a, b in zip(reference, other)) < tolerance, (reference, other)
 
 
-@pytest.mark.parametrize("dtype, adapter_dtype, merged_dtype, hf_name", [
-    ("fp32", torch.float32, torch.float32, "float32"),
-    ("bf16", torch.bfloat16, torch.bfloat16, "bfloat16"),
-    ("fp16", torch.float32, torch.float16, "float16"),
-])
+@pytest.mark.parametrize(
+    "dtype, adapter_dtype, merged_dtype, hf_name",
+    [
+        ("fp32", torch.float32, torch.float32, "float32"),
+        ("bf16", torch.bfloat16, torch.bfloat16, "bfloat16"),
+        ("fp16", torch.float32, torch.float16, "float16"),
+    ],
+)
 def test_saved_tensors_have_the_documented_dtypes(runs, dtype, adapter_dtype, merged_dtype, hf_name):
     out = runs(dtype, f"dtype={dtype}")
     step = out / f"step_{STEPS}"
@@ -265,10 +300,18 @@ def test_tensorboard_events_hold_the_loss_and_metrics(runs):
 def test_adapter_grads_are_fp32(base, workdir, dtype):
     module = _load_module(RECIPE, f"qlora_grads_{dtype}")
     cfg = OmegaConf.load(CONFIG)
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
-        f"output_dir={workdir / ('grads_' + dtype)}", f"checkpointer.checkpoint_dir={base}", f"dtype={dtype}",
-        "batch_size=4", "metric_logger._component_=torchtune.training.metric_logging.StdoutLogger",
-    ]))
+    cfg = OmegaConf.merge(
+        cfg,
+        OmegaConf.from_dotlist(
+            [
+                f"output_dir={workdir / ('grads_' + dtype)}",
+                f"checkpointer.checkpoint_dir={base}",
+                f"dtype={dtype}",
+                "batch_size=4",
+                "metric_logger._component_=torchtune.training.metric_logging.StdoutLogger",
+            ]
+        ),
+    )
     recipe = module.QLoRAFinetuneRecipeSingleDevice(cfg)
     recipe.setup(cfg)
     batch = next(iter(recipe._dataloader))
@@ -278,8 +321,9 @@ def test_adapter_grads_are_fp32(base, workdir, dtype):
     assert all(p.dtype == torch.float32 for p in adapters.values())
     frozen = [p for n, p in recipe._model.named_parameters() if n not in adapters]
     assert frozen and all(p.grad is None and not p.requires_grad for p in frozen)
-    assert recipe._model.layers[0].attn.q_proj.weight.dtype == getattr(torch, {"fp32": "float32",
-                                                                               "fp16": "float16"}[dtype])
+    assert recipe._model.layers[0].attn.q_proj.weight.dtype == getattr(
+        torch, {"fp32": "float32", "fp16": "float16"}[dtype]
+    )
 
 
 # ------------------------------------------------------------------------------------------------ resume
@@ -292,7 +336,10 @@ def test_resume_mid_epoch_equals_a_straight_run(runs, workdir, base):
     first = tune_run(*common, f"stop_after_step={STEPS // 2}")
     assert "Stopped after step 3" in first.stdout + first.stderr
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith("logs")) == [
-        "recipe_state", "step_3", "torchtune_config.yaml"]
+        "recipe_state",
+        "step_3",
+        "torchtune_config.yaml",
+    ]
     assert not (out / "step_3" / "merged").exists()  # mid-run saves are adapter + recipe state
     # Activation checkpointing recomputes the same values (dropout masks included), so it may change mid-run.
     tune_run(*common, "resume_from_checkpoint=True", "enable_activation_checkpointing=True")
@@ -319,8 +366,14 @@ def _check_merged(out: Path, base: Path, model_type: str, rank: int, alpha: floa
     hf_base = load_file(base / "model.safetensors")
     assert merged.keys() == hf_base.keys() == index["weight_map"].keys()
     config = json.loads((base / "config.json").read_text())
-    converter = HFConverter(model_type, config["num_attention_heads"], config["num_key_value_heads"],
-                            config["hidden_size"], config["hidden_size"] // config["num_attention_heads"], True)
+    converter = HFConverter(
+        model_type,
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["hidden_size"],
+        config["hidden_size"] // config["num_attention_heads"],
+        True,
+    )
     lora_modules = 0
     for key, value in merged.items():
         expected = hf_base[key]
@@ -348,8 +401,13 @@ def test_vocab_pruning_keeping_every_id_equals_the_unpruned_run(runs, base, work
     kept_file = workdir / "kept_all.json"
     save_kept_ids(kept_file, kept_ids)
     reference = runs("fp32", "dtype=fp32")
-    pruned = runs("fp32_pruned_all", "dtype=fp32", "vocab_pruning.enabled=True", f"vocab_pruning.kept_ids={kept_file}",
-                  "vocab_pruning.trainable=False")
+    pruned = runs(
+        "fp32_pruned_all",
+        "dtype=fp32",
+        "vocab_pruning.enabled=True",
+        f"vocab_pruning.kept_ids={kept_file}",
+        "vocab_pruning.trainable=False",
+    )
     assert len(losses(pruned)) == STEPS
     torch.testing.assert_close(losses(pruned), losses(reference), rtol=1e-5, atol=0)
     val = scalars(reference)["val_loss"]
@@ -383,9 +441,16 @@ def test_vocab_pruning_exports_the_trained_rows(runs, base):
 
 def test_export_qwen_merged_equals_dequantized_base_plus_lora(workdir):
     out, qwen_base = workdir / "qwen", workdir / "base_qwen"
-    tune_run(f"output_dir={out}", f"checkpointer.checkpoint_dir={qwen_base}", "generate_base_checkpoint.family=qwen",
-             "model._component_=torchtune_ext.models.qlora_tiny_qwen", "checkpointer.model_type=QWEN2",
-             "max_steps_per_epoch=2", "batch_size=4", "run_val_every_n_steps=null")
+    tune_run(
+        f"output_dir={out}",
+        f"checkpointer.checkpoint_dir={qwen_base}",
+        "generate_base_checkpoint.family=qwen",
+        "model._component_=torchtune_ext.models.qlora_tiny_qwen",
+        "checkpointer.model_type=QWEN2",
+        "max_steps_per_epoch=2",
+        "batch_size=4",
+        "run_val_every_n_steps=null",
+    )
     _check_merged(out, qwen_base, "QWEN2", rank=16, alpha=32)
     merged = load_file(next((out / "step_2" / "merged").glob("*.safetensors")))
     hf_base = load_file(qwen_base / "model.safetensors")
@@ -400,8 +465,13 @@ def test_export_qwen_merged_equals_dequantized_base_plus_lora(workdir):
 def test_tiny_default_learns_and_prints_where_outputs_are(workdir):
     """The shipped config (its own base generation included) with fewer steps: the loss clearly falls."""
     out = workdir / "default"
-    result = tune_run(f"output_dir={out}", f"checkpointer.checkpoint_dir={workdir / 'default_base'}",
-                      "max_steps_per_epoch=100", "run_val_every_n_steps=100", "max_validation_steps=8")
+    result = tune_run(
+        f"output_dir={out}",
+        f"checkpointer.checkpoint_dir={workdir / 'default_base'}",
+        "max_steps_per_epoch=100",
+        "run_val_every_n_steps=100",
+        "max_validation_steps=8",
+    )
     logged = scalars(out)
     first, val = logged["loss"][1], logged["val_loss"][100]
     print(f"learning: first-step loss {first:.3f}, validation loss after 100 steps {val:.3f}")
@@ -414,11 +484,14 @@ def test_tiny_default_learns_and_prints_where_outputs_are(workdir):
 # ------------------------------------------------------------------------------------------------ bad configs
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["dtype=fp8"], "dtype='fp8' is not supported; use dtype=fp32, dtype=bf16 or dtype=fp16"),
-    (["checkpointer.checkpoint_files=[missing.safetensors]"], "missing.safetensors"),
-    (["model.intermediate_dim=200"], "cannot be NF4-quantized"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["dtype=fp8"], "dtype='fp8' is not supported; use dtype=fp32, dtype=bf16 or dtype=fp16"),
+        (["checkpointer.checkpoint_files=[missing.safetensors]"], "missing.safetensors"),
+        (["model.intermediate_dim=200"], "cannot be NF4-quantized"),
+    ],
+)
 def test_bad_config_fails_clearly_before_writing(base, workdir, overrides, message):
     out = workdir / f"bad_{len(list(workdir.glob('bad_*')))}"
     result = tune_run(f"output_dir={out}", f"checkpointer.checkpoint_dir={base}", *overrides, check=False)
@@ -431,9 +504,14 @@ def test_bf16_where_unsupported_fails_before_writing(base, workdir, monkeypatch)
     monkeypatch.setattr(_precision, "is_bf16_supported", lambda device: False)
     module = _load_module(RECIPE, "qlora_no_bf16")
     out = workdir / "no_bf16"
-    cfg = OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(
-        [f"output_dir={out}", f"checkpointer.checkpoint_dir={base}", "dtype=bf16"]))
-    with pytest.raises(RuntimeError, match=r"dtype=bf16 was requested but cpu does not support bf16.*"
-                                           r"dtype=fp32.*dtype=fp16"):
+    cfg = OmegaConf.merge(
+        OmegaConf.load(CONFIG),
+        OmegaConf.from_dotlist([f"output_dir={out}", f"checkpointer.checkpoint_dir={base}", "dtype=bf16"]),
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"dtype=bf16 was requested but cpu does not support bf16.*"
+        r"dtype=fp32.*dtype=fp16",
+    ):
         module.QLoRAFinetuneRecipeSingleDevice(cfg).setup(cfg)
     assert not out.exists()

@@ -50,8 +50,16 @@ def env(pause: Optional[str] = None, marker: Optional[Path] = None, rank: Option
     hooks of ``inject/sitecustomize.py`` armed (``<point>@<step>``, see there)."""
     paths = [str(REPO), str(HERE)] + ([str(INJECT)] if pause else [])
     result = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
-    for key in ("RELIABILITY_PAUSE", "RELIABILITY_MARKER", "RELIABILITY_RANK", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                "MASTER_ADDR", "MASTER_PORT"):
+    for key in (
+        "RELIABILITY_PAUSE",
+        "RELIABILITY_MARKER",
+        "RELIABILITY_RANK",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         result.pop(key, None)
     if pause:
         result.update(RELIABILITY_PAUSE=pause, RELIABILITY_MARKER=str(marker))
@@ -100,8 +108,9 @@ class Run:
         deadline = time.monotonic() + timeout
         while not marker.is_file():
             if self.proc.poll() is not None:
-                raise AssertionError(f"the run ended (rc {self.proc.returncode}) before pausing:\n"
-                                     f"{self.output[-6000:]}")
+                raise AssertionError(
+                    f"the run ended (rc {self.proc.returncode}) before pausing:\n{self.output[-6000:]}"
+                )
             if time.monotonic() > deadline:
                 self.kill_all()
                 raise AssertionError(f"the run did not reach its pause point in {timeout} s:\n{self.output[-4000:]}")
@@ -233,5 +242,7 @@ def snapshot(folder: Path) -> Dict[str, tuple]:
     """Every file and folder under ``folder`` with its size and mtime (to prove that nothing was written)."""
     if not folder.exists():
         return {}
-    return {str(p.relative_to(folder)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns)
-            for p in folder.rglob("*")}
+    return {
+        str(p.relative_to(folder)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns)
+        for p in folder.rglob("*")
+    }

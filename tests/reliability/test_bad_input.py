@@ -47,17 +47,22 @@ def recipe_module():
 
 
 def _cfg(out: Path, checkpoint_dir: Path, overrides: List[str]):
-    cfg = OmegaConf.merge(OmegaConf.load(SINGLE_CONFIG), OmegaConf.from_dotlist([
-        f"output_dir={out}",
-        f"checkpointer.checkpoint_dir={checkpoint_dir}",
-        "dataset.num_samples=32",
-        "batch_size=4",
-        "max_steps_per_epoch=1",
-        "run_val_every_n_steps=null",
-        "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
-        f"metric_logger.log_dir={out}/logs",
-        *overrides,
-    ]))
+    cfg = OmegaConf.merge(
+        OmegaConf.load(SINGLE_CONFIG),
+        OmegaConf.from_dotlist(
+            [
+                f"output_dir={out}",
+                f"checkpointer.checkpoint_dir={checkpoint_dir}",
+                "dataset.num_samples=32",
+                "batch_size=4",
+                "max_steps_per_epoch=1",
+                "run_val_every_n_steps=null",
+                "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
+                f"metric_logger.log_dir={out}/logs",
+                *overrides,
+            ]
+        ),
+    )
     cfg.pop("generate_base_checkpoint")  # the inputs are prepared by the fixture
     return cfg
 
@@ -104,50 +109,118 @@ def inputs(tmp_path_factory, recipe_module) -> Dict[str, Path]:
 # contain, and how the output folder is prepared: "fresh" (must not be created), "resume" (a copy of the trained
 # run, which must stay unchanged), or "resume:<how the recipe state is damaged>".
 SINGLE_DEVICE_CASES = [
-    pytest.param(["dtype=fp8"], "dtype='fp8' is not supported; use dtype=fp32, dtype=bf16 or dtype=fp16",
-                 "fresh", id="unknown_dtype"),
-    pytest.param(["dtype=bf16", "#no_bf16"], "dtype=bf16 was requested but cpu does not support bf16 (e.g. a T4). "
-                 "Use dtype=fp32", "fresh", id="bf16_where_unsupported"),
-    pytest.param(["dtype=fp16", "adapter_dtype=fp16"],
-                 "adapter_dtype=fp16 is not supported: use adapter_dtype=fp32", "fresh", id="fp16_adapters_in_fp16"),
-    pytest.param(["dtype=fp16", "loss_scaler.growth_intervall=100"], "growth_intervall", "fresh",
-                 id="fp16_unknown_loss_scaler_option"),
+    pytest.param(
+        ["dtype=fp8"],
+        "dtype='fp8' is not supported; use dtype=fp32, dtype=bf16 or dtype=fp16",
+        "fresh",
+        id="unknown_dtype",
+    ),
+    pytest.param(
+        ["dtype=bf16", "#no_bf16"],
+        "dtype=bf16 was requested but cpu does not support bf16 (e.g. a T4). Use dtype=fp32",
+        "fresh",
+        id="bf16_where_unsupported",
+    ),
+    pytest.param(
+        ["dtype=fp16", "adapter_dtype=fp16"],
+        "adapter_dtype=fp16 is not supported: use adapter_dtype=fp32",
+        "fresh",
+        id="fp16_adapters_in_fp16",
+    ),
+    pytest.param(
+        ["dtype=fp16", "loss_scaler.growth_intervall=100"],
+        "growth_intervall",
+        "fresh",
+        id="fp16_unknown_loss_scaler_option",
+    ),
     pytest.param(["model.intermediate_dim=200"], "cannot be NF4-quantized", "fresh", id="nf4_incompatible_dims"),
-    pytest.param(["checkpointer.checkpoint_files=[missing.safetensors]"], "Checkpoint file(s) not found",
-                 "fresh", id="missing_checkpoint_file"),
-    pytest.param(["checkpointer.checkpoint_dir={out}_no_such_model"], "does not exist. Download the model first",
-                 "fresh", id="missing_checkpoint_dir"),
-    pytest.param(["checkpointer.checkpoint_files=[../model.bin]"], "are not safetensors files", "fresh",
-                 id="not_a_safetensors_file"),
-    pytest.param(["checkpointer.checkpoint_dir={truncated}"], "model.safetensors is truncated", "fresh",
-                 id="truncated_checkpoint_file"),
-    pytest.param(["checkpointer.checkpoint_dir={renamed}"], [RENAMED_TO, "layers.0.mlp.w1.weight"], "fresh",
-                 id="checkpoint_keys_do_not_match_the_model"),
-    pytest.param(["model.vocab_size=1024"], "but the configured model expects (1024, 256)", "fresh",
-                 id="checkpoint_shapes_do_not_match_the_model"),
-    pytest.param(["checkpointer.model_type=GPT2"], "checkpointer.model_type='GPT2' is not supported", "fresh",
-                 id="unknown_model_type"),
-    pytest.param(["output_dir={base}/out"], "is inside checkpointer.checkpoint_dir", "fresh",
-                 id="output_dir_inside_the_base_model"),
+    pytest.param(
+        ["checkpointer.checkpoint_files=[missing.safetensors]"],
+        "Checkpoint file(s) not found",
+        "fresh",
+        id="missing_checkpoint_file",
+    ),
+    pytest.param(
+        ["checkpointer.checkpoint_dir={out}_no_such_model"],
+        "does not exist. Download the model first",
+        "fresh",
+        id="missing_checkpoint_dir",
+    ),
+    pytest.param(
+        ["checkpointer.checkpoint_files=[../model.bin]"],
+        "are not safetensors files",
+        "fresh",
+        id="not_a_safetensors_file",
+    ),
+    pytest.param(
+        ["checkpointer.checkpoint_dir={truncated}"],
+        "model.safetensors is truncated",
+        "fresh",
+        id="truncated_checkpoint_file",
+    ),
+    pytest.param(
+        ["checkpointer.checkpoint_dir={renamed}"],
+        [RENAMED_TO, "layers.0.mlp.w1.weight"],
+        "fresh",
+        id="checkpoint_keys_do_not_match_the_model",
+    ),
+    pytest.param(
+        ["model.vocab_size=1024"],
+        "but the configured model expects (1024, 256)",
+        "fresh",
+        id="checkpoint_shapes_do_not_match_the_model",
+    ),
+    pytest.param(
+        ["checkpointer.model_type=GPT2"],
+        "checkpointer.model_type='GPT2' is not supported",
+        "fresh",
+        id="unknown_model_type",
+    ),
+    pytest.param(
+        ["output_dir={base}/out"],
+        "is inside checkpointer.checkpoint_dir",
+        "fresh",
+        id="output_dir_inside_the_base_model",
+    ),
     pytest.param(["dataset.num_samples=0"], "The data set gives 0 batches", "fresh", id="empty_data_set"),
     pytest.param(["tokenizer.max_seq_len=4"], "max_seq_len", "fresh", id="max_seq_len_smaller_than_a_prompt"),
     pytest.param(["batch_size=0"], "batch_size=0 must be a positive integer", "fresh", id="zero_batch_size"),
-    pytest.param(["vocab_pruning.enabled=True", "vocab_pruning.kept_ids={kept_out_of_range}"],
-                 f"kept_ids has 1 id(s) outside the vocabulary [0, {VOCAB_SIZE}): [{VOCAB_SIZE + 7}]", "fresh",
-                 id="vocab_pruning_ids_out_of_range"),
-    pytest.param(["resume_from_checkpoint=True"], "resume_from_checkpoint=True but", "fresh",
-                 id="resume_without_recipe_state"),
-    pytest.param(["resume_from_checkpoint=True"], "is not a readable recipe state", "resume:garbage",
-                 id="corrupt_recipe_state"),
-    pytest.param(["resume_from_checkpoint=True"], "is not a readable recipe state", "resume:truncated",
-                 id="truncated_recipe_state"),
-    pytest.param(["resume_from_checkpoint=True", "model.lora_rank=8"], "do not match the model's", "resume",
-                 id="resume_with_another_lora_rank"),
-    pytest.param(["resume_from_checkpoint=True", "model.lora_attn_modules=[q_proj,v_proj]"],
-                 "do not match the model's", "resume", id="resume_with_other_lora_modules"),
-    pytest.param(["resume_from_checkpoint=True", "dtype=bf16"],
-                 "The recipe state was saved with dtype torch.float32 but this run uses torch.bfloat16", "resume",
-                 id="resume_with_another_dtype"),
+    pytest.param(
+        ["vocab_pruning.enabled=True", "vocab_pruning.kept_ids={kept_out_of_range}"],
+        f"kept_ids has 1 id(s) outside the vocabulary [0, {VOCAB_SIZE}): [{VOCAB_SIZE + 7}]",
+        "fresh",
+        id="vocab_pruning_ids_out_of_range",
+    ),
+    pytest.param(
+        ["resume_from_checkpoint=True"], "resume_from_checkpoint=True but", "fresh", id="resume_without_recipe_state"
+    ),
+    pytest.param(
+        ["resume_from_checkpoint=True"], "is not a readable recipe state", "resume:garbage", id="corrupt_recipe_state"
+    ),
+    pytest.param(
+        ["resume_from_checkpoint=True"],
+        "is not a readable recipe state",
+        "resume:truncated",
+        id="truncated_recipe_state",
+    ),
+    pytest.param(
+        ["resume_from_checkpoint=True", "model.lora_rank=8"],
+        "do not match the model's",
+        "resume",
+        id="resume_with_another_lora_rank",
+    ),
+    pytest.param(
+        ["resume_from_checkpoint=True", "model.lora_attn_modules=[q_proj,v_proj]"],
+        "do not match the model's",
+        "resume",
+        id="resume_with_other_lora_modules",
+    ),
+    pytest.param(
+        ["resume_from_checkpoint=True", "dtype=bf16"],
+        "The recipe state was saved with dtype torch.float32 but this run uses torch.bfloat16",
+        "resume",
+        id="resume_with_another_dtype",
+    ),
 ]
 
 
@@ -160,8 +233,9 @@ def _damage(state_file: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("overrides, message, output", SINGLE_DEVICE_CASES)
-def test_single_device_bad_input_fails_before_writing(recipe_module, inputs, tmp_path, monkeypatch, overrides,
-                                                      message, output):
+def test_single_device_bad_input_fails_before_writing(
+    recipe_module, inputs, tmp_path, monkeypatch, overrides, message, output
+):
     out = tmp_path / "out"
     if output.startswith("resume"):
         shutil.copytree(inputs["trained"], out)
@@ -190,8 +264,12 @@ def test_single_device_bad_input_fails_before_writing(recipe_module, inputs, tmp
 
 def test_output_folder_not_writable_fails_with_exit_code(inputs, tmp_path):
     out = inputs["a_file"] / "out"  # a folder below a regular file can never be created (even by root)
-    run = tune(SINGLE_RECIPE, SINGLE_CONFIG, [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}",
-                                              "dataset.num_samples=32"], tmp_path / "run.log")
+    run = tune(
+        SINGLE_RECIPE,
+        SINGLE_CONFIG,
+        [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}", "dataset.num_samples=32"],
+        tmp_path / "run.log",
+    )
     rc = run.wait()
     assert rc != 0
     assert_no_leftovers([run])
@@ -200,26 +278,50 @@ def test_output_folder_not_writable_fails_with_exit_code(inputs, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("nproc, overrides, message", [
-    pytest.param(2, ["dataset.num_samples=1", "batch_size=1"],
-                 "the training set has 1 samples, fewer than one batch per rank (2 ranks x batch_size 1 = 2)",
-                 id="nproc_per_node_larger_than_the_data"),
-    pytest.param(1, ["vocab_pruning.enabled=True", "vocab_pruning.kept_ids={kept_out_of_range}"],
-                 f"kept_ids has 1 id(s) outside the vocabulary [0, {VOCAB_SIZE}): [{VOCAB_SIZE + 7}]",
-                 id="vocab_pruning_ids_out_of_range"),
-    pytest.param(2, ["tokenizer.max_seq_len=4"], "Raise tokenizer.max_seq_len", id="max_seq_len_smaller_than_a_prompt"),
-    pytest.param(2, ["resume_from_checkpoint=True", "model.lora_rank=8"], "do not match the model's",
-                 id="resume_with_another_lora_rank"),
-])
+@pytest.mark.parametrize(
+    "nproc, overrides, message",
+    [
+        pytest.param(
+            2,
+            ["dataset.num_samples=1", "batch_size=1"],
+            "the training set has 1 samples, fewer than one batch per rank (2 ranks x batch_size 1 = 2)",
+            id="nproc_per_node_larger_than_the_data",
+        ),
+        pytest.param(
+            1,
+            ["vocab_pruning.enabled=True", "vocab_pruning.kept_ids={kept_out_of_range}"],
+            f"kept_ids has 1 id(s) outside the vocabulary [0, {VOCAB_SIZE}): [{VOCAB_SIZE + 7}]",
+            id="vocab_pruning_ids_out_of_range",
+        ),
+        pytest.param(
+            2, ["tokenizer.max_seq_len=4"], "Raise tokenizer.max_seq_len", id="max_seq_len_smaller_than_a_prompt"
+        ),
+        pytest.param(
+            2,
+            ["resume_from_checkpoint=True", "model.lora_rank=8"],
+            "do not match the model's",
+            id="resume_with_another_lora_rank",
+        ),
+    ],
+)
 def test_distributed_bad_input_fails_with_exit_code(inputs, tmp_path, nproc, overrides, message):
     out = tmp_path / "out"
     if "resume_from_checkpoint=True" in overrides:  # the single-device run's state: the recipes share its format
         shutil.copytree(inputs["trained"], out)
     before = snapshot(out)
     values = {k: str(v) for k, v in inputs.items()}
-    run = tune(DIST_RECIPE, DIST_CONFIG, [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}",
-                                          "process_group_timeout_s=30",
-                                          *[o.format(**values) for o in overrides]], tmp_path / "run.log", nproc=nproc)
+    run = tune(
+        DIST_RECIPE,
+        DIST_CONFIG,
+        [
+            f"output_dir={out}",
+            f"checkpointer.checkpoint_dir={inputs['base']}",
+            "process_group_timeout_s=30",
+            *[o.format(**values) for o in overrides],
+        ],
+        tmp_path / "run.log",
+        nproc=nproc,
+    )
     rc = run.wait()
     assert rc != 0
     assert_no_leftovers([run])

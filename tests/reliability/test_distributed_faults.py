@@ -50,8 +50,13 @@ def _failures(output: str) -> dict:
 
 def test_rank_raising_in_step_k_stops_every_rank_and_names_it(tmp_path, base):
     out = tmp_path / "out"
-    run = tune(DIST_RECIPE, DIST_CONFIG, _overrides(out, base, timeout_s=60) + [
-        "loss.fault=raise", f"loss.steps=[{FAULT_STEP}]", "loss.rank=1"], tmp_path / "run.log", nproc=2)
+    run = tune(
+        DIST_RECIPE,
+        DIST_CONFIG,
+        _overrides(out, base, timeout_s=60) + ["loss.fault=raise", f"loss.steps=[{FAULT_STEP}]", "loss.rank=1"],
+        tmp_path / "run.log",
+        nproc=2,
+    )
     rc = run.wait()
     assert rc != 0
     assert_no_leftovers([run])
@@ -70,9 +75,14 @@ def test_stalled_rank_fails_the_others_after_process_group_timeout(tmp_path, bas
     ``process_group_timeout_s`` and fails, and the launcher then stops rank 1."""
     out = tmp_path / "out"
     timeout_s = 5
-    run = tune(DIST_RECIPE, DIST_CONFIG, _overrides(out, base, timeout_s=timeout_s) + [
-        "loss.fault=pause", f"loss.steps=[{FAULT_STEP}]", "loss.rank=1", f"loss.marker={tmp_path / 'paused'}"],
-        tmp_path / "run.log", nproc=2)
+    run = tune(
+        DIST_RECIPE,
+        DIST_CONFIG,
+        _overrides(out, base, timeout_s=timeout_s)
+        + ["loss.fault=pause", f"loss.steps=[{FAULT_STEP}]", "loss.rank=1", f"loss.marker={tmp_path / 'paused'}"],
+        tmp_path / "run.log",
+        nproc=2,
+    )
     run.wait_for_marker(tmp_path / "paused")
     rc = run.wait()
     assert rc != 0
@@ -95,13 +105,29 @@ def test_rank_killed_without_launcher_makes_the_other_exit(tmp_path, base):
     out = tmp_path / "out"
     port = _free_port()
     overrides = _overrides(out, base, timeout_s=60) + [
-        "loss.fault=pause", f"loss.steps=[{FAULT_STEP}]", "loss.rank=1", f"loss.marker={tmp_path / 'paused'}"]
+        "loss.fault=pause",
+        f"loss.steps=[{FAULT_STEP}]",
+        "loss.rank=1",
+        f"loss.marker={tmp_path / 'paused'}",
+    ]
     runs = []
     for rank in range(2):
-        rank_env = {**env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                    "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        runs.append(Run([sys.executable, DIST_RECIPE, "--config", str(DIST_CONFIG), *overrides], rank_env,
-                        tmp_path / f"rank{rank}.log"))
+        rank_env = {
+            **env(),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        runs.append(
+            Run(
+                [sys.executable, DIST_RECIPE, "--config", str(DIST_CONFIG), *overrides],
+                rank_env,
+                tmp_path / f"rank{rank}.log",
+            )
+        )
     try:
         pid = runs[1].wait_for_marker(tmp_path / "paused")
         assert pid == runs[1].proc.pid

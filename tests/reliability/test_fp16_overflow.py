@@ -62,8 +62,13 @@ def test_fp16_overflow_skips_steps_lowers_scale_and_keeps_weights_finite(tmp_pat
     base = write_tiny_checkpoint(tmp_path / "base", family="llama", dtype="fp32", seed=0)
     out = tmp_path / "out"
     overrides = small_run(out, base, STEPS, out / "logs") + [
-        "dtype=fp16", "batch_size=4", "model.lora_dropout=0.0", "lr_scheduler.num_warmup_steps=0",
-        "loss.fault=scale_grad", f"loss.steps={OVERFLOW_STEPS}", "loss.grad_factor=1e12",
+        "dtype=fp16",
+        "batch_size=4",
+        "model.lora_dropout=0.0",
+        "lr_scheduler.num_warmup_steps=0",
+        "loss.fault=scale_grad",
+        f"loss.steps={OVERFLOW_STEPS}",
+        "loss.grad_factor=1e12",
         f"metric_logger._component_={__name__}._Snapshots",
     ]
     cfg = OmegaConf.merge(OmegaConf.load(SINGLE_CONFIG), OmegaConf.from_dotlist(overrides))
@@ -94,8 +99,7 @@ def test_fp16_overflow_skips_steps_lowers_scale_and_keeps_weights_finite(tmp_pat
         previous = adapters
     losses = [steps[s]["metrics"]["loss"] for s in range(1, STEPS + 1)]
     assert all(math.isfinite(x) and 0 < x < 20 for x in losses), losses
-    assert all(math.isfinite(steps[s]["metrics"]["grad_norm"]) for s in range(1, STEPS + 1)
-               if s not in OVERFLOW_STEPS)
+    assert all(math.isfinite(steps[s]["metrics"]["grad_norm"]) for s in range(1, STEPS + 1) if s not in OVERFLOW_STEPS)
 
     # What was saved is finite too, and the recipe state remembers the scale and the skipped steps.
     final = out / f"step_{STEPS}"
@@ -103,8 +107,12 @@ def test_fp16_overflow_skips_steps_lowers_scale_and_keeps_weights_finite(tmp_pat
     state = torch.load(out / "recipe_state" / "recipe_state.pt", weights_only=False)
     assert state["loss_scaler"]["skipped_steps"] == len(OVERFLOW_STEPS)
     assert state["loss_scaler"]["scaler"]["scale"] == INIT_SCALE / 4
-    assert all(bool(torch.isfinite(v).all()) for entry in state["optimizer"]["state"].values()
-               for v in entry.values() if isinstance(v, torch.Tensor))
+    assert all(
+        bool(torch.isfinite(v).all())
+        for entry in state["optimizer"]["state"].values()
+        for v in entry.values()
+        if isinstance(v, torch.Tensor)
+    )
     _Snapshots.recipe = None
 
 

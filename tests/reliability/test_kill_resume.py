@@ -61,18 +61,30 @@ class Kill:
         partial (Optional[str]): glob of the hidden temporary entry that the interrupted write leaves.
     """
 
-    def __init__(self, name: str, loss_pause_step: Optional[int] = None, write_pause: Optional[str] = None,
-                 rank: int = 0, partial: Optional[str] = None):
-        self.name, self.loss_pause_step, self.write_pause, self.rank, self.partial = \
-            name, loss_pause_step, write_pause, rank, partial
+    def __init__(
+        self,
+        name: str,
+        loss_pause_step: Optional[int] = None,
+        write_pause: Optional[str] = None,
+        rank: int = 0,
+        partial: Optional[str] = None,
+    ):
+        self.name, self.loss_pause_step, self.write_pause, self.rank, self.partial = (
+            name,
+            loss_pause_step,
+            write_pause,
+            rank,
+            partial,
+        )
 
 
 SINGLE_KILLS = [
     Kill("forward of step 3", loss_pause_step=3),
     Kill("recipe state write of step 4", write_pause="recipe_state@4", partial="recipe_state/.recipe_state.pt.tmp-*"),
     Kill("adapter write of step 6", write_pause="adapter@6", partial=".step_6.tmp-*"),
-    Kill("rename of the final step 8's folder (adapter + merged model)", write_pause="commit@8",
-         partial=".step_8.tmp-*"),
+    Kill(
+        "rename of the final step 8's folder (adapter + merged model)", write_pause="commit@8", partial=".step_8.tmp-*"
+    ),
 ]
 DIST_KILLS = [
     Kill("rank 1 in the forward of step 3", loss_pause_step=3, rank=1),
@@ -99,19 +111,28 @@ def _uninterrupted(recipe: str, out: Path, base: Path, steps: int, nproc: int) -
     return losses
 
 
-def _check_after_kill(kill_: Kill, out: Path, reference: Path, losses: Dict[int, float],
-                      reference_losses: Dict[int, float], resumed_from: int) -> int:
+def _check_after_kill(
+    kill_: Kill,
+    out: Path,
+    reference: Path,
+    losses: Dict[int, float],
+    reference_losses: Dict[int, float],
+    resumed_from: int,
+) -> int:
     """Checks what a kill left behind; returns the step a resume starts from."""
     assert losses, f"{kill_.name}: the killed run logged no step"
     for step, loss in losses.items():
-        assert abs(loss - reference_losses[step]) <= TOLERANCE, \
+        assert abs(loss - reference_losses[step]) <= TOLERANCE, (
             f"{kill_.name}: loss {loss} of step {step} differs from the uninterrupted run's {reference_losses[step]}"
+        )
     resumable = recipe_state_step(out)
     steps = sorted(int(p.name.split("_")[1]) for p in out.glob("step_*"))
     # A checkpoint is its step folder plus the recipe state: the state a resume loads must not be ahead of the
     # complete folders (a partial checkpoint taken for complete), nor behind the previous resume point.
-    assert resumable in steps, f"{kill_.name}: the recipe state is at step {resumable} but step_{resumable} is " \
+    assert resumable in steps, (
+        f"{kill_.name}: the recipe state is at step {resumable} but step_{resumable} is "
         f"missing (complete step folders: {steps})"
+    )
     assert resumed_from <= resumable <= max(losses), (kill_.name, resumed_from, resumable, max(losses))
     # At most the steps since the last checkpoint are lost.
     assert max(losses) - resumable <= SAVE_EVERY, (kill_.name, resumable, max(losses))
@@ -133,8 +154,12 @@ def _kill_chain(recipe: str, kills: List[Kill], tmp: Path, base: Path, steps: in
         extra = ["resume_from_checkpoint=True"] if i > 1 else []
         if kill_.loss_pause_step is not None:
             assert i == 1, "the loss counts steps from the start of a fresh run"
-            extra += ["loss.fault=pause", f"loss.steps=[{kill_.loss_pause_step}]", f"loss.rank={kill_.rank}",
-                      f"loss.marker={marker}"]
+            extra += [
+                "loss.fault=pause",
+                f"loss.steps=[{kill_.loss_pause_step}]",
+                f"loss.rank={kill_.rank}",
+                f"loss.marker={marker}",
+            ]
         pause = dict(pause=kill_.write_pause, marker=marker, rank=kill_.rank) if kill_.write_pause else {}
         run = _start(recipe, out, base, steps, f"run{i}", extra, nproc, **pause)
         pid = run.wait_for_marker(marker)
@@ -161,8 +186,10 @@ def _kill_chain(recipe: str, kills: List[Kill], tmp: Path, base: Path, steps: in
     final_step = reference / f"step_{steps}"
     assert max_abs_diff(adapter(out / f"step_{steps}"), adapter(final_step)) <= TOLERANCE
     assert max_abs_diff(merged(out / f"step_{steps}"), merged(final_step)) <= TOLERANCE
-    print(f"\n{recipe}: {len(kills)} kills survived, completed steps redone per kill: {redone}, "
-          f"max loss difference vs uninterrupted: {worst:.2e}")
+    print(
+        f"\n{recipe}: {len(kills)} kills survived, completed steps redone per kill: {redone}, "
+        f"max loss difference vs uninterrupted: {worst:.2e}"
+    )
 
 
 def test_single_device_survives_sigkill_mid_training_and_mid_checkpoint(tmp_path, base):

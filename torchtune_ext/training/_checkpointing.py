@@ -337,14 +337,19 @@ class QLoRAHFCheckpointer:
         self.hf_config = read_hf_config(self.checkpoint_dir)
         self.output_dir = Path(output_dir)
         check_writable(self.output_dir, "output_dir")
-        if self.output_dir.resolve() == self.checkpoint_dir.resolve() or self.checkpoint_dir.resolve() in \
-                self.output_dir.resolve().parents:
+        if (
+            self.output_dir.resolve() == self.checkpoint_dir.resolve()
+            or self.checkpoint_dir.resolve() in self.output_dir.resolve().parents
+        ):
             raise ValueError(
                 f"output_dir={str(output_dir)!r} is inside checkpointer.checkpoint_dir; pick an output folder outside "
                 "the base model's folder."
             )
-        self.recipe_checkpoint = Path(recipe_checkpoint) if recipe_checkpoint else \
-            self.output_dir / RECIPE_STATE_DIRNAME / RECIPE_STATE_FILENAME
+        self.recipe_checkpoint = (
+            Path(recipe_checkpoint)
+            if recipe_checkpoint
+            else self.output_dir / RECIPE_STATE_DIRNAME / RECIPE_STATE_FILENAME
+        )
         self.base_model_name_or_path = base_model_name_or_path or self._repo_id() or str(self.checkpoint_dir.resolve())
         self.max_shard_bytes = int(max_shard_size_mb * 1024**2)
 
@@ -381,13 +386,18 @@ class QLoRAHFCheckpointer:
                     continue
                 shape = tuple(converted[1].shape)
                 if tuple(expected[key].shape) != shape:
-                    mis_shaped.append(f"{path.name}: {hf_key} has shape {shape} but the configured model expects "
-                                      f"{tuple(expected[key].shape)} for {key}")
+                    mis_shaped.append(
+                        f"{path.name}: {hf_key} has shape {shape} but the configured model expects "
+                        f"{tuple(expected[key].shape)} for {key}"
+                    )
                 seen.add(key)
         missing = sorted(set(expected) - seen)
         if unexpected or missing or mis_shaped:
-            problems = [f"{len(unexpected)} tensor(s) that are not a weight of the configured model: "
-                        f"{unexpected[:8]}"] if unexpected else []
+            problems = (
+                [f"{len(unexpected)} tensor(s) that are not a weight of the configured model: {unexpected[:8]}"]
+                if unexpected
+                else []
+            )
             problems += [f"it lacks {len(missing)} weight(s) of the configured model: {missing[:8]}"] if missing else []
             problems += mis_shaped[:8]
             raise ValueError(
@@ -473,8 +483,11 @@ class QLoRAHFCheckpointer:
         _write_json(folder / SAFETENSORS_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
         _write_json(folder / "config.json", {**self.hf_config, "torch_dtype": hf_dtype_name(dtype)})
         for src in sorted(self.checkpoint_dir.iterdir()):
-            skip = src.suffix in _WEIGHT_SUFFIXES or src.name.startswith("adapter_") or src.name in (
-                SAFETENSORS_INDEX, "config.json", "pytorch_model.bin.index.json")
+            skip = (
+                src.suffix in _WEIGHT_SUFFIXES
+                or src.name.startswith("adapter_")
+                or src.name in (SAFETENSORS_INDEX, "config.json", "pytorch_model.bin.index.json")
+            )
             if src.is_file() and not skip:
                 shutil.copy2(src, folder / src.name)
 
@@ -518,9 +531,7 @@ class QLoRAHFCheckpointer:
             self._write_adapter(model, tmp / ADAPTER_DIRNAME, adapter_config)
             if save_merged:
                 (tmp / MERGED_DIRNAME).mkdir()
-                self._write_merged(
-                    model, tmp / MERGED_DIRNAME, dtype, adapter_config["rank"], adapter_config["alpha"]
-                )
+                self._write_merged(model, tmp / MERGED_DIRNAME, dtype, adapter_config["rank"], adapter_config["alpha"])
         return final
 
     def remove_stale_temporaries(self) -> List[Path]:
@@ -566,8 +577,11 @@ class QLoRAHFCheckpointer:
                 f"{self.recipe_checkpoint} is not a readable recipe state ({type(err).__name__}: {str(err)[:200]}). "
                 "Delete it to start over, or set checkpointer.recipe_checkpoint to another recipe_state.pt."
             ) from err
-        missing = [k for k in ("global_step", "epochs_run", "adapter", "optimizer", "dtype") if k not in state] \
-            if isinstance(state, dict) else ["a dict"]
+        missing = (
+            [k for k in ("global_step", "epochs_run", "adapter", "optimizer", "dtype") if k not in state]
+            if isinstance(state, dict)
+            else ["a dict"]
+        )
         if missing:
             raise ValueError(f"{self.recipe_checkpoint} is not a readable recipe state (it lacks {missing}).")
         return state
@@ -576,7 +590,8 @@ class QLoRAHFCheckpointer:
 #: PEFT trainable-tokens module name -> (torchtune key of the full-vocabulary weight, PEFT key of its rows).
 _TRAINABLE_TOKEN_KEYS = {
     "embed_tokens": (
-        "tok_embeddings.weight", "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+        "tok_embeddings.weight",
+        "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta",
     ),
     "lm_head": ("output.weight", "base_model.model.lm_head.token_adapter.trainable_tokens_delta"),
 }
@@ -589,9 +604,7 @@ def _trainable_token_rows(
     rows = []
     for name, ids in (indices or {}).items():
         if name not in _TRAINABLE_TOKEN_KEYS:
-            raise ValueError(
-                f"trainable_token_indices has {name!r}; supported: {sorted(_TRAINABLE_TOKEN_KEYS)}."
-            )
+            raise ValueError(f"trainable_token_indices has {name!r}; supported: {sorted(_TRAINABLE_TOKEN_KEYS)}.")
         tune_key, peft_key = _TRAINABLE_TOKEN_KEYS[name]
         if tune_key not in state:
             raise ValueError(
@@ -654,15 +667,20 @@ def write_random_hf_checkpoint(
         scale = embedding_std if embedding_std is not None and key in _EMBEDDING_KEYS else std
         return torch.empty(shape, dtype=torch.float32).normal_(0, scale, generator=generator).to(dtype)
 
-    specs = [_safetensors.TensorSpec(converter.to_hf(k, torch.empty(v.shape, device="meta"))[0], v.shape, dtype)
-             for k, v in base.items()]
+    specs = [
+        _safetensors.TensorSpec(converter.to_hf(k, torch.empty(v.shape, device="meta"))[0], v.shape, dtype)
+        for k, v in base.items()
+    ]
     keys = dict(zip([s.name for s in specs], base))
     shards = [specs] if max_shard_size_mb is None else _safetensors.plan_shards(specs, max_shard_size_mb * 1024**2)
     with atomic_directory(checkpoint_dir) as tmp:
         weight_map = {}
         for i, shard in enumerate(shards):
-            name = "model.safetensors" if max_shard_size_mb is None else \
-                f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            name = (
+                "model.safetensors"
+                if max_shard_size_mb is None
+                else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            )
 
             def tensors(shard=shard):
                 for spec in shard:

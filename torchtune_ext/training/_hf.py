@@ -31,8 +31,11 @@ SUPPORTED_MODEL_TYPES: Dict[str, bool] = {
     "QWEN2": False,
 }
 
-_ADAPTER_SUFFIXES = {".lora_a.weight": ".lora_A.weight", ".lora_b.weight": ".lora_B.weight",
-                     ".magnitude": ".lora_magnitude_vector"}
+_ADAPTER_SUFFIXES = {
+    ".lora_a.weight": ".lora_A.weight",
+    ".lora_b.weight": ".lora_B.weight",
+    ".magnitude": ".lora_magnitude_vector",
+}
 
 
 def is_adapter_key(key: str) -> bool:
@@ -101,8 +104,12 @@ class HFConverter:
         return cls(model_type, attn.num_heads, attn.num_kv_heads, attn.embed_dim, attn.head_dim, tied)
 
     def _kwargs(self, dim: Optional[int] = None) -> Dict[str, Any]:
-        kwargs = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                      dim=self.embed_dim if dim is None else dim, head_dim=self.head_dim)
+        kwargs = dict(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            dim=self.embed_dim if dim is None else dim,
+            head_dim=self.head_dim,
+        )
         if not self.permutes_qk:
             kwargs["tie_word_embeddings"] = self.tie_word_embeddings
         return kwargs

@@ -13,8 +13,7 @@ import torch
 from torch.optim import Optimizer
 
 DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_ALIASES: Dict[str, str] = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
-                            "float": "fp32"}
+_ALIASES: Dict[str, str] = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
 
 
 def is_bf16_supported(device: torch.device) -> bool:

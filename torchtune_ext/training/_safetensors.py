@@ -141,8 +141,11 @@ def _header_bytes(specs: Sequence[TensorSpec], metadata: Dict[str, str]) -> byte
     for spec in specs:
         if spec.dtype not in _NAMES:
             raise ValueError(f"Cannot write tensor {spec.name} of dtype {spec.dtype} to safetensors.")
-        header[spec.name] = {"dtype": _NAMES[spec.dtype], "shape": list(spec.shape),
-                             "data_offsets": [offset, offset + spec.nbytes]}
+        header[spec.name] = {
+            "dtype": _NAMES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
         offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it

@@ -39,7 +39,12 @@ def test_samples_are_deterministic_correct_and_cover_every_task():
     for sample in train:
         assert sample["output"] == _expected_output(sample["input"])
     assert {s["input"].rsplit(": ", 1)[0] for s in train} == {
-        "Reverse", "Uppercase", "Repeat twice", "Count the letters", "Sort the letters"}
+        "Reverse",
+        "Uppercase",
+        "Repeat twice",
+        "Count the letters",
+        "Sort the letters",
+    }
 
 
 def test_unknown_split_is_rejected():

@@ -26,8 +26,9 @@ from torchtune_ext.training._hf import HFConverter
 
 # All attention projections get LoRA: torchtune's qwen2 builder leaves a non-LoRA output_proj dense even with
 # quantize_base=True (ours quantizes every linear in the layers), so only this choice compares like with like.
-LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=8,
-            lora_alpha=16)
+LORA = dict(
+    lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=8, lora_alpha=16
+)
 FAMILIES = {
     "llama": (qlora_tiny_llama, lora_tiny_llama, "LLAMA3_2"),
     "qwen": (qlora_tiny_qwen, lora_tiny_qwen, "QWEN2"),
@@ -39,7 +40,8 @@ def bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("bases")
     return {
         (family, dtype): write_tiny_checkpoint(root / f"{family}_{dtype}", family=family, dtype=dtype, seed=3)
-        for family in FAMILIES for dtype in ("fp32", "bf16")
+        for family in FAMILIES
+        for dtype in ("fp32", "bf16")
     }
 
 
@@ -85,7 +87,8 @@ def test_streamed_safetensors_interoperate_with_the_safetensors_library(tmp_path
     for k, v in tensors.items():
         assert read[k].dtype == v.dtype and torch.equal(read[k], v)
     assert {k: tuple(v["shape"]) for k, v in _safetensors.read_header(tmp_path / "lib.safetensors").items()} == {
-        k: tuple(v.shape) for k, v in tensors.items()}
+        k: tuple(v.shape) for k, v in tensors.items()
+    }
 
 
 def test_writer_rejects_a_tensor_that_does_not_match_its_spec(tmp_path):
@@ -152,8 +155,14 @@ def test_sharded_checkpoint_is_found_through_its_index(tmp_path):
     from torchtune_ext.training._checkpointing import write_random_hf_checkpoint
     from torchtune_ext.training._hf import llama3_2_hf_config
 
-    base = write_random_hf_checkpoint(tmp_path / "sharded", meta, "LLAMA3_2", llama3_2_hf_config(**TINY_LLAMA_ARGS),
-                                      dtype=torch.float32, max_shard_size_mb=1)
+    base = write_random_hf_checkpoint(
+        tmp_path / "sharded",
+        meta,
+        "LLAMA3_2",
+        llama3_2_hf_config(**TINY_LLAMA_ARGS),
+        dtype=torch.float32,
+        max_shard_size_mb=1,
+    )
     files = resolve_checkpoint_files(base, None)
     assert len(files) > 2 and all(f.name.startswith("model-0000") for f in files)
     model, _ = _loaded("llama", base, tmp_path)
@@ -184,8 +193,9 @@ def test_missing_and_mismatched_checkpoints_fail_before_loading(bases, tmp_path)
 
 
 def test_peft_conversion_matches_torchtune_for_llama_lora():
-    converter = HFConverter("LLAMA3_2", num_heads=4, num_kv_heads=2, embed_dim=256, head_dim=64,
-                            tie_word_embeddings=True)
+    converter = HFConverter(
+        "LLAMA3_2", num_heads=4, num_kv_heads=2, embed_dim=256, head_dim=64, tie_word_embeddings=True
+    )
     g = torch.Generator().manual_seed(0)
     adapters = {
         "layers.0.attn.q_proj.lora_a.weight": torch.randn(8, 256, generator=g),
@@ -203,12 +213,17 @@ def test_peft_conversion_matches_torchtune_for_llama_lora():
 @pytest.mark.parametrize("model_type", ["LLAMA3_2", "QWEN2"])
 def test_peft_tensors_follow_the_base_weights_layout(model_type):
     """HF(W) + s * B_peft @ A_peft == HF(W + s * B @ A), and DoRA magnitudes follow the same rows."""
-    converter = HFConverter(model_type, num_heads=4, num_kv_heads=2, embed_dim=256, head_dim=64,
-                            tie_word_embeddings=True)
+    converter = HFConverter(
+        model_type, num_heads=4, num_kv_heads=2, embed_dim=256, head_dim=64, tie_word_embeddings=True
+    )
     g = torch.Generator().manual_seed(1)
     for proj, rows in (("q_proj", 256), ("k_proj", 128), ("v_proj", 128)):
-        w, a, b, m = (torch.randn(rows, 256, generator=g), torch.randn(8, 256, generator=g),
-                      torch.randn(rows, 8, generator=g), torch.rand(rows, generator=g))
+        w, a, b, m = (
+            torch.randn(rows, 256, generator=g),
+            torch.randn(8, 256, generator=g),
+            torch.randn(rows, 8, generator=g),
+            torch.rand(rows, generator=g),
+        )
         key = f"layers.0.attn.{proj}"
         hf_key, hf_merged = converter.to_hf(f"{key}.weight", w + 2.0 * b @ a)
         _, hf_w = converter.to_hf(f"{key}.weight", w)
@@ -235,13 +250,20 @@ def test_save_writes_peft_adapter_and_merged_model(bases, tmp_path, family):
     for name, param in model.named_parameters():
         if "lora_b" in name:
             torch.nn.init.normal_(param, std=0.05)
-    adapter_config = dict(target_modules=["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"], rank=8,
-                          alpha=16, dropout=0.0, use_dora=False)
+    adapter_config = dict(
+        target_modules=["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"],
+        rank=8,
+        alpha=16,
+        dropout=0.0,
+        use_dora=False,
+    )
     checkpointer.max_shard_bytes = 2 * 1024**2  # several shards
     step_dir = checkpointer.save(model, step=7, adapter_config=adapter_config, save_merged=True, dtype=torch.bfloat16)
     assert step_dir == tmp_path / "out" / "step_7"
-    assert sorted(p.name for p in (step_dir / "adapter").iterdir()) == ["adapter_config.json",
-                                                                        "adapter_model.safetensors"]
+    assert sorted(p.name for p in (step_dir / "adapter").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     merged_files = sorted(p.name for p in (step_dir / "merged").iterdir())
     assert not any(n.startswith("adapter") for n in merged_files)
     assert "config.json" in merged_files and "model.safetensors.index.json" in merged_files
@@ -250,8 +272,9 @@ def test_save_writes_peft_adapter_and_merged_model(bases, tmp_path, family):
     config = json.loads((step_dir / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     assert (config["r"], config["lora_alpha"]) == (8, 16)
-    assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj",
-                                                       "up_proj"])
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj"]
+    )
     assert config["base_model_name_or_path"] == str(base.resolve())
     assert json.loads((step_dir / "merged" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
@@ -274,7 +297,8 @@ def test_save_writes_peft_adapter_and_merged_model(bases, tmp_path, family):
                 # NF4 blocks run along torchtune's (permuted) rows: quantize in that layout, as the model does.
                 tune_key, tune_w = HFConverter.for_model("LLAMA3_2", model).to_tune(hf_key, hf_base[hf_key])
                 reference = HFConverter.for_model("LLAMA3_2", model).to_hf(
-                    tune_key, to_nf4(tune_w).get_original_weight())[1]
+                    tune_key, to_nf4(tune_w).get_original_weight()
+                )[1]
             prefix = "base_model.model." + hf_key[: -len(".weight")]
             if f"{prefix}.lora_A.weight" in peft:
                 reference = reference + 2.0 * peft[f"{prefix}.lora_B.weight"] @ peft[f"{prefix}.lora_A.weight"]
@@ -307,8 +331,11 @@ def test_remove_stale_temporaries_deletes_only_killed_writes(tmp_path):
     for name in kept[1:]:
         (tmp_path / name).write_text("keep")
     removed = remove_stale_temporaries(tmp_path)
-    assert sorted(p.name for p in removed) == [".recipe_state.pt.tmp-00000000", ".step_2.old-89abcdef",
-                                               ".step_4.tmp-0123abcd"]
+    assert sorted(p.name for p in removed) == [
+        ".recipe_state.pt.tmp-00000000",
+        ".step_2.old-89abcdef",
+        ".step_4.tmp-0123abcd",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
     assert remove_stale_temporaries(tmp_path / "missing") == []
 

@@ -9,8 +9,17 @@ from torchtune_ext.training._precision import LossScaler, default_adapter_dtype,
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("name, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16),
-                                         ("float16", torch.float16), ("BF16", torch.bfloat16), (None, torch.float32)])
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("fp32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("fp16", torch.float16),
+        ("float16", torch.float16),
+        ("BF16", torch.bfloat16),
+        (None, torch.float32),
+    ],
+)
 def test_parse_dtype(name, dtype):
     assert parse_dtype(name, CPU) == dtype
 
