@@ -1,4 +1,4 @@
-"""State-dict tooling on real 2- and 3-process gloo groups.
+"""State-dict tooling on real 2-, 3- and 4-process gloo groups (FSDP2 and HSDP meshes).
 
 References are independent of the code under test: each model's unsharded single-process state dict (NF4 weights
 dequantized with the foundation's ``dequantize_nf4``, equal to torchao's), torchtune's ``gather_cpu_state_dict`` /
@@ -238,6 +238,39 @@ def case_load_equals_torchtune_and_round_trips(rank, world_size):
             _assert_same(back, expected)
 
 
+def _shard_hsdp(model: nn.Module) -> nn.Module:
+    """HSDP: placements (Replicate, Shard(0)) on a 2-D (replicate=world/2, shard=2) mesh."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def case_hsdp_mesh_gather_and_load(rank, world_size):
+    for dtype in (torch.bfloat16, torch.float32):
+        model = _qlora(dtype=dtype)
+        reference = _dense(model.state_dict())
+        _shard_hsdp(model)
+        weight = model.layers[0].attn.q_proj.weight
+        assert weight.device_mesh.ndim == 2 and isinstance(weight._local_tensor, NF4Tensor), weight.placements
+        ours = get_full_state_dict(model)
+        if rank == 0:
+            _assert_same(ours, reference)
+        else:
+            assert ours == {}
+        incoming = _random_like(reference, seed=5)
+        loaded = _shard_hsdp(_qlora(dtype=dtype, device="meta"))
+        load_full_state_dict(loaded, incoming if rank == 0 else None, broadcast_from_rank0=True)
+        back = get_full_state_dict(loaded)
+        if rank == 0:
+            params = dict(_qlora(dtype=dtype, device="meta").named_parameters())
+            expected = {
+                k: _requantized(v, params[k]) if isinstance(params[k], NF4Tensor) else v for k, v in incoming.items()
+            }
+            _assert_same(back, expected)
+
+
 def case_load_in_place_broadcast_and_strict(rank, world_size):
     model = _shard(_qlora())
     incoming = _random_like(_dense(_qlora().state_dict()), seed=2)
@@ -304,6 +337,7 @@ TWO_RANK_CASES = [
     case_load_equals_torchtune_and_round_trips,
     case_load_in_place_broadcast_and_strict,
     case_unwrap_after_compile_and_activation_checkpointing,
+    case_hsdp_mesh_gather_and_load,
 ]
 
 
@@ -423,6 +457,8 @@ def case_plain_model_equals_dcp(rank, world_size):
 
 
 THREE_RANK_CASES = [case_meshes_subsets_and_ties, case_load_meshes_subsets_and_ties, case_plain_model_equals_dcp]
+# 4 ranks: HSDP with two replicas of a 2-way shard (on 2 ranks the same case runs on a (1, 2) mesh).
+FOUR_RANK_CASES = [case_hsdp_mesh_gather_and_load]
 
 
 @pytest.fixture(scope="module")
@@ -445,6 +481,12 @@ def test_two_ranks(case, two_rank_outcomes):
 @pytest.mark.parametrize("case", THREE_RANK_CASES, ids=lambda c: c.__name__[5:])
 def test_three_ranks(case, three_rank_outcomes):
     _check(three_rank_outcomes, case)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", FOUR_RANK_CASES, ids=lambda c: c.__name__[5:])
+def test_four_ranks(case, tmp_path_factory):
+    _check(_outcomes(tmp_path_factory, FOUR_RANK_CASES, 4), case)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
