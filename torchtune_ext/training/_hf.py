@@ -265,17 +265,20 @@ def llama3_2_hf_config(
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": embed_dim,
-        "intermediate_size": intermediate_dim,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
+        **_decoder_hf_config(
+            vocab_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            embed_dim,
+            intermediate_dim,
+            max_seq_len,
+            rope_base,
+            norm_eps,
+            tie_word_embeddings,
+            dtype,
+        ),
         "head_dim": embed_dim // num_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_seq_len,
-        "rms_norm_eps": norm_eps,
-        "rope_theta": float(rope_base),
         "rope_scaling": {
             "rope_type": "llama3",
             "factor": float(scale_factor),
@@ -284,14 +287,7 @@ def llama3_2_hf_config(
             "original_max_position_embeddings": 8192,
         },
         "attention_bias": False,
-        "attention_dropout": 0.0,
         "mlp_bias": False,
-        "tie_word_embeddings": tie_word_embeddings,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": hf_dtype_name(dtype),
     }
 
 
@@ -329,6 +325,40 @@ def qwen2_hf_config(
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
+        **_decoder_hf_config(
+            vocab_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            embed_dim,
+            intermediate_dim,
+            max_seq_len,
+            rope_base,
+            norm_eps,
+            tie_word_embeddings,
+            dtype,
+        ),
+        "max_window_layers": num_layers,
+        "sliding_window": max_seq_len,
+        "use_sliding_window": False,
+    }
+
+
+def _decoder_hf_config(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    rope_base: float,
+    norm_eps: float,
+    tie_word_embeddings: bool,
+    dtype: torch.dtype,
+) -> Dict[str, Any]:
+    """The ``config.json`` entries Llama- and Qwen2-style decoders share."""
+    return {
         "vocab_size": vocab_size,
         "hidden_size": embed_dim,
         "intermediate_size": intermediate_dim,
@@ -337,11 +367,8 @@ def qwen2_hf_config(
         "num_key_value_heads": num_kv_heads,
         "hidden_act": "silu",
         "max_position_embeddings": max_seq_len,
-        "max_window_layers": num_layers,
         "rms_norm_eps": norm_eps,
         "rope_theta": float(rope_base),
-        "sliding_window": max_seq_len,
-        "use_sliding_window": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": tie_word_embeddings,
         "bos_token_id": 1,
