@@ -47,9 +47,11 @@ def _lora_shapes(adapters: Dict[str, torch.Tensor]) -> Dict[str, Tuple[int, ...]
 class QLoRARecipeBase(FTRecipeInterface):
     """Shared training loop and bookkeeping of the QLoRA recipes (one rank by default).
 
-    Subclasses set, in ``setup``: ``_model``, ``_tokenizer``, ``_loss_fn``, ``_optimizer``, ``_loss_scaler``,
-    ``_trainable_params``, ``_checkpointer``, ``_metric_logger`` (rank 0), and call :meth:`_setup_dataloaders` and
-    :meth:`_setup_schedule`.
+    A subclass's ``__init__`` sets ``_device``, ``_dtype``, ``_adapter_dtype``, ``_batch_size`` and ``seed`` and calls
+    :meth:`_read_settings`. Its ``setup`` calls :meth:`_build_components` and runs its checks (nothing is written
+    yet), then :meth:`_start_writing`; it loads the model, sets ``_optimizer``, ``_loss_scaler`` and
+    ``_trainable_params``, and ends with :meth:`_setup_dataloaders` and :meth:`_setup_schedule`. It implements
+    ``save_checkpoint``; ``train`` and ``cleanup`` are here.
     """
 
     world_size: int = 1
