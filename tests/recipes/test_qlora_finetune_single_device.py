@@ -324,6 +324,33 @@ def test_adapter_grads_are_fp32(base, workdir, dtype):
     assert recipe._model.layers[0].attn.q_proj.weight.dtype == getattr(
         torch, {"fp32": "float32", "fp16": "float16"}[dtype]
     )
+    if dtype == "fp32":
+        _check_loss_step(recipe, next(iter(recipe._dataloader)))
+
+
+def _check_loss_step(recipe, batch: Dict[str, torch.Tensor]) -> None:
+    """The recipe's loss is the mean next-token cross-entropy over label tokens (an independent computation on the
+    unchunked logits), and a micro-batch without label tokens gives exactly 0 with zero, finite gradients."""
+    ignore = recipe._loss_fn.ignore_index
+    tokens, labels = batch["tokens"], batch["labels"]
+    with torch.no_grad():
+        recipe._model.set_num_output_chunks(1)
+        logits = recipe._model(tokens)
+        recipe._model.set_num_output_chunks(recipe._loss_fn.num_output_chunks)
+        logits = logits[0] if isinstance(logits, list) else logits
+        expected = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=ignore
+        )
+        ours = recipe._loss_step(dict(batch))
+    assert (labels[:, 1:] != ignore).any()
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+    recipe._optimizer.zero_grad(set_to_none=True)
+    no_labels = recipe._loss_step({"tokens": tokens, "labels": torch.full_like(labels, ignore)})
+    assert no_labels.item() == 0.0
+    no_labels.backward()
+    grads = [p.grad for p in recipe._adapter_params.values() if p.grad is not None]
+    assert grads and all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
 
 # ------------------------------------------------------------------------------------------------ resume
