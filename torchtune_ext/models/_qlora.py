@@ -23,6 +23,7 @@ from torchtune.training import set_default_dtype
 from torchtune_ext._compat import NF4Tensor
 from torchtune_ext.modules.low_precision import FrozenNF4Linear, check_float_dtype, dequantize_nf4, to_nf4_frozen
 from torchtune_ext.modules.peft import DoRALinear, LoRALinear
+from torchtune_ext.modules.transformer import use_contiguous_chunks_
 
 DeviceLike = Union[str, torch.device, None]
 # The NF4Tensor inner tensors that FSDP2 shards (torchao's _INNER_TENSOR_NAMES_FOR_SHARDING).
@@ -234,6 +235,7 @@ def build_qlora(
     with set_default_dtype(dtype), torch.device("meta"):
         model = torchtune_builder(quantize_base=False, **builder_kwargs)
         _replace_linears(model, dtype, adapter_dtype or dtype)
+        use_contiguous_chunks_(model)
     if torch.device(device).type != "meta":
         materialize_(model, device, seed=seed)
     return model

@@ -1,4 +1,5 @@
-"""Building blocks: the forked NF4 linear, LoRA/DoRA layers with an explicit compute dtype, and vocab pruning."""
+"""Building blocks: the forked NF4 linear, LoRA/DoRA layers with an explicit compute dtype, vocab pruning, and the
+decoder whose chunked output stays fast on CPU."""
 
 from torchtune_ext.modules.low_precision import (
     FrozenNF4Linear,
@@ -9,6 +10,7 @@ from torchtune_ext.modules.low_precision import (
     to_nf4_frozen,
 )
 from torchtune_ext.modules.peft import DoRALinear, LoRALinear
+from torchtune_ext.modules.transformer import ContiguousChunksTransformerDecoder, use_contiguous_chunks_
 from torchtune_ext.modules.vocab_pruning import (
     PrunedOutput,
     VocabPruning,
@@ -25,6 +27,7 @@ from torchtune_ext.modules.vocab_pruning import (
 )
 
 __all__ = [
+    "ContiguousChunksTransformerDecoder",
     "DoRALinear",
     "FrozenNF4Linear",
     "LinearNF4",
@@ -43,6 +46,7 @@ __all__ = [
     "quantize_nf4",
     "save_kept_ids",
     "to_nf4_frozen",
+    "use_contiguous_chunks_",
     "validate_kept_ids",
     "vocab_state_dict",
 ]
