@@ -7,9 +7,15 @@ fp32 and bf16 (torchtune's recipe rejects fp16). Reported: tokens/s = median ove
 (label tokens / step wall time), the definition both recipes log; the runs alternate ours / torchtune
 ``--repeats`` times and the best run of each counts (the machine is shared, so the slower runs measure other
 jobs). Peak memory: CUDA peak allocated, or on CPU the process's peak RSS; ratios ours / torchtune. Both runs see
-identical batches; their first-step losses are printed side by side as a sanity check. Run::
+identical batches; their first-step losses are printed side by side as a sanity check.
+
+``--model 1b`` trains a Llama-3.2-1B-shaped model instead (``configs/llama3_2/1B_qlora_single_device.yaml``, LoRA
+rank 64 on q/v/output_proj + MLP, activation checkpointing; the random-weight checkpoint of ``bench/load.py``;
+torchtune gets ``torchtune.models.llama3_2.qlora_llama3_2_1b``) on the tiny tokenizer and data, batch 4 of up to 128
+tokens, one step of warm-up. Run::
 
     PYTHONPATH=. python bench/recipe.py [--device cpu|cuda] [--dtypes fp32,bf16] [--steps 60] [--repeats 3]
+    PYTHONPATH=. python bench/recipe.py --model 1b --steps 4 --repeats 1
 """
 
 from __future__ import annotations
@@ -28,12 +34,19 @@ from pathlib import Path
 from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "tiny" / "qlora_single_device.yaml"
 GIB = 1024**3
-WARMUP_STEPS = 5
+# model: (our config, torchtune's builder for the same architecture, warm-up steps left out of the median)
+MODELS = {
+    "tiny": (ROOT / "configs" / "tiny" / "qlora_single_device.yaml", "torchtune_ext.models.lora_tiny_llama", 5),
+    "1b": (
+        ROOT / "configs" / "llama3_2" / "1B_qlora_single_device.yaml",
+        "torchtune.models.llama3_2.qlora_llama3_2_1b",
+        1,
+    ),
+}
 
 sys.path.insert(0, str(ROOT / "bench"))
-from load import write_notes_section  # noqa: E402
+from load import ensure_checkpoint, write_notes_section  # noqa: E402
 
 
 class _Capture:
@@ -57,6 +70,14 @@ class _Capture:
         pass
 
 
+_DESCRIPTIONS = {
+    "tiny": "Tiny default config (2 layers, dim 256, vocab 512, LoRA rank 16 on q/k/v/output_proj + MLP, batch 16, "
+    "~16 tokens/sample)",
+    "1b": "Llama-3.2-1B-shaped random-weight model (vocab 128256, tied), LoRA rank 64 on q/v/output_proj + MLP, "
+    "activation checkpointing, batch 4 of the tiny data set (up to 128 tokens)",
+}
+
+
 def _load(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -64,10 +85,11 @@ def _load(path: Path, name: str):
     return module
 
 
-def _config(which: str, dtype: str, device: str, steps: int, base: Path, out: Path):
+def _config(which: str, model: str, dtype: str, device: str, steps: int, base: Path, out: Path):
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.load(CONFIG)
+    config, torchtune_builder, _ = MODELS[model]
+    cfg = OmegaConf.load(config)
     cfg.output_dir = str(out)
     cfg.checkpointer.checkpoint_dir = str(base)
     cfg.checkpointer.output_dir = str(out)
@@ -76,8 +98,12 @@ def _config(which: str, dtype: str, device: str, steps: int, base: Path, out: Pa
     cfg.save_adapter_weights_only = True
     for key in ("generate_base_checkpoint", "dataset_val", "run_val_every_n_steps", "max_validation_steps"):
         cfg.pop(key, None)
+    if model == "1b":
+        cfg.tokenizer = {"_component_": "torchtune_ext.data.tiny_tokenizer", "max_seq_len": 128}
+        cfg.dataset = {"_component_": "torchtune_ext.data.tiny_instruct_dataset"}
+        cfg.batch_size, cfg.gradient_accumulation_steps = 4, 1
     if which == "torchtune":
-        cfg.model._component_ = "torchtune_ext.models.lora_tiny_llama"
+        cfg.model._component_ = torchtune_builder
         cfg.model.quantize_base = True
         cfg.checkpointer._component_ = "torchtune.training.FullModelHFCheckpointer"
         cfg.log_peak_memory_stats = device != "cpu"
@@ -85,7 +111,7 @@ def _config(which: str, dtype: str, device: str, steps: int, base: Path, out: Pa
     return cfg
 
 
-def worker(which: str, dtype: str, device: str, steps: int, base: Path) -> Dict[str, float]:
+def worker(which: str, model: str, dtype: str, device: str, steps: int, base: Path) -> Dict[str, float]:
     import resource
 
     import torch
@@ -94,7 +120,7 @@ def worker(which: str, dtype: str, device: str, steps: int, base: Path) -> Dict[
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory() as out:
-        cfg = _config(which, dtype, device, steps, base, Path(out))
+        cfg = _config(which, model, dtype, device, steps, base, Path(out))
         if which == "ours":
             module = _load(ROOT / "recipes" / "qlora_finetune_single_device.py", "ours")
             recipe = module.QLoRAFinetuneRecipeSingleDevice(cfg)
@@ -110,20 +136,22 @@ def worker(which: str, dtype: str, device: str, steps: int, base: Path) -> Dict[
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated()
     return {
-        "tokens_per_second": statistics.median(r[key] for r in rows[WARMUP_STEPS:]),
+        "tokens_per_second": statistics.median(r[key] for r in rows[MODELS[model][2] :]),
         "peak_bytes": peak,
         "first_loss": rows[0]["loss"],
         "steps": len(rows),
     }
 
 
-def _run_worker(which: str, dtype: str, device: str, steps: int, base: Path) -> Dict[str, float]:
+def _run_worker(which: str, model: str, dtype: str, device: str, steps: int, base: Path) -> Dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [
         sys.executable,
         __file__,
         "--worker",
         which,
+        "--model",
+        model,
         "--dtypes",
         dtype,
         "--device",
@@ -145,26 +173,28 @@ def main() -> None:
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--base", default="/tmp/torchtune_ext_bench/tiny_base")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--base", default="/tmp/torchtune_ext_bench/tiny_base", help="tiny: its base checkpoint")
+    parser.add_argument("--cache", default="/tmp/torchtune_ext_bench", help="1b: where its random checkpoint is")
     parser.add_argument(
         "--notes", default=None, help="also write the results into this markdown file (default: print only)"
     )
     parser.add_argument("--worker", choices=["ours", "torchtune"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = worker(args.worker, args.dtypes, args.device, args.steps, Path(args.base))
+        result = worker(args.worker, args.model, args.dtypes, args.device, args.steps, Path(args.base))
         print(json.dumps(result))
         return
 
     from torchtune_ext.data import write_tiny_checkpoint
 
-    base = write_tiny_checkpoint(args.base)
+    base = write_tiny_checkpoint(args.base) if args.model == "tiny" else ensure_checkpoint(Path(args.cache))
     rows = []
     for dtype in args.dtypes.split(","):
         results = {"ours": [], "torchtune": []}
         for _ in range(args.repeats):
             for which in results:
-                results[which].append(_run_worker(which, dtype, args.device, args.steps, base))
+                results[which].append(_run_worker(which, args.model, dtype, args.device, args.steps, base))
         ours, theirs = (max(results[w], key=lambda r: r["tokens_per_second"]) for w in ("ours", "torchtune"))
         for which, best in (("ours", ours), ("torchtune", theirs)):
             best["all_tokens_per_second"] = [round(r["tokens_per_second"]) for r in results[which]]
@@ -187,14 +217,14 @@ def main() -> None:
     lines = [
         "## bench/recipe.py — recipe throughput and peak memory, ours vs torchtune's lora_finetune_single_device",
         "",
-        f"Tiny default config (2 layers, dim 256, vocab 512, LoRA rank 16 on q/k/v/output_proj + MLP, batch 16, "
-        f"~16 tokens/sample), {args.steps} steps, tokens/s = median over steps {WARMUP_STEPS + 1}..{args.steps} "
+        f"{_DESCRIPTIONS[args.model]}, {args.steps} steps, tokens/s = median over steps "
+        f"{MODELS[args.model][2] + 1}..{args.steps} "
         f"(label tokens / step time), best of {args.repeats} alternating runs (all runs in brackets). Peak = "
         f"{memory} (max over runs). Device {args.device}; machine {platform.machine()}, "
         f"{os.cpu_count()} CPU cores shared with other jobs (load average {load[0]:.1f} at the end), torch "
         f"{torch.__version__}, torchtune 0.6.1. Date: {datetime.date.today()}. Command: "
-        f"`PYTHONPATH=. python bench/recipe.py --device {args.device} --dtypes {args.dtypes} --steps {args.steps} "
-        f"--repeats {args.repeats}`.",
+        f"`PYTHONPATH=. python bench/recipe.py --model {args.model} --device {args.device} --dtypes {args.dtypes} "
+        f"--steps {args.steps} --repeats {args.repeats}`.",
         "",
         "| dtype | ours tok/s | torchtune tok/s | tok/s ratio (goal >= 1.0x) | ours peak | torchtune peak | "
         "peak ratio (goal <= 1.0x) | first loss ours / torchtune |",
