@@ -58,6 +58,12 @@ def _requantized(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return dequantize_nf4(to_nf4(value.to(like.dtype), like.block_size, like.scaler_block_size))
 
 
+def _loaded_qlora_state(incoming: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """What a tiny QLoRA model of ``dtype`` must give back after loading ``incoming``: its NF4 weights requantized."""
+    params = dict(_qlora(dtype=dtype, device="meta").named_parameters())
+    return {k: _requantized(v, params[k]) if isinstance(params[k], NF4Tensor) else v for k, v in incoming.items()}
+
+
 def _qlora(builder=qlora_tiny_llama, dtype=torch.bfloat16, device="cpu", **kwargs) -> nn.Module:
     torch.manual_seed(0)  # the same weights on every rank, whatever the builder draws from the global RNG
     return builder(ATTN, apply_lora_to_mlp=True, dtype=dtype, device=device, **kwargs)
@@ -231,11 +237,7 @@ def case_load_equals_torchtune_and_round_trips(rank, world_size):
                 assert torch.equal(local, other), key
         back = get_full_state_dict(ours)
         if rank == 0:
-            params = dict(_qlora(dtype=dtype, device="meta").named_parameters())
-            expected = {
-                k: _requantized(v, params[k]) if isinstance(params[k], NF4Tensor) else v for k, v in incoming.items()
-            }
-            _assert_same(back, expected)
+            _assert_same(back, _loaded_qlora_state(incoming, dtype))
 
 
 def _shard_hsdp(model: nn.Module) -> nn.Module:
@@ -264,11 +266,7 @@ def case_hsdp_mesh_gather_and_load(rank, world_size):
         load_full_state_dict(loaded, incoming if rank == 0 else None, broadcast_from_rank0=True)
         back = get_full_state_dict(loaded)
         if rank == 0:
-            params = dict(_qlora(dtype=dtype, device="meta").named_parameters())
-            expected = {
-                k: _requantized(v, params[k]) if isinstance(params[k], NF4Tensor) else v for k, v in incoming.items()
-            }
-            _assert_same(back, expected)
+            _assert_same(back, _loaded_qlora_state(incoming, dtype))
 
 
 def case_load_in_place_broadcast_and_strict(rank, world_size):
