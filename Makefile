@@ -19,8 +19,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	# torchtune appends the cwd to sys.path after site-packages, where its own `recipes` package would win.
-	PYTHONPATH=. $(VENV)/bin/tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
+	$(VENV)/bin/tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
 
 # The same install as .ci/run, which `make test` runs (CI runs it too).
 test:

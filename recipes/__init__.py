@@ -1,5 +1,7 @@
-"""Recipes: self-contained scripts run with ``tune run recipes/<recipe>.py --config <yaml>``.
+"""Recipes: self-contained scripts run with ``tune run recipes/<recipe>.py --config <yaml>`` from a clone, or
+``tune-ext run <recipe> --config <model>/<config>`` after ``pip install`` (installed as ``torchtune_ext.recipes``).
 
-This file makes ``recipes`` a regular package, so that with the repo root on ``PYTHONPATH`` it wins over the
-``recipes`` package that torchtune installs into site-packages (whose ``__init__`` raises on import).
+A regular package: ``tune run`` imports ``recipes/<recipe>.py`` as the module ``recipes.<recipe>``; torchtune's
+unimportable placeholder ``recipes`` package in site-packages would shadow this folder, which
+``torchtune_ext/_compat.py``'s import hook resolves.
 """

@@ -1,11 +1,10 @@
 """QLoRA fine-tuning on one device (CUDA, CPU, ...) with an fp32, bf16 or fp16 compute dtype.
 
-Run from a clone (``PYTHONPATH=.``: torchtune installs a top-level ``recipes`` package that would shadow this
-folder; ``python recipes/qlora_finetune_single_device.py --config ...`` works too)::
+Run from a clone (``python recipes/qlora_finetune_single_device.py --config ...`` works too), or by name after a
+``pip install`` (``tune-ext run qlora_finetune_single_device --config llama3_2/1B_qlora_single_device``)::
 
-    PYTHONPATH=. tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
-    PYTHONPATH=. tune run recipes/qlora_finetune_single_device.py \
-        --config configs/llama3_2/1B_qlora_single_device.yaml dtype=fp32
+    tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
+    tune run recipes/qlora_finetune_single_device.py --config configs/llama3_2/1B_qlora_single_device.yaml dtype=fp32
 
 Follows torchtune's ``lora_finetune_single_device`` (same data pipeline, loss, gradient accumulation by token
 count, LR schedule and logging), with these differences:

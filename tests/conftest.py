@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 DIST_TIMEOUT_S = 120
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a rendezvous or a process group)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -51,7 +52,7 @@ def run_distributed(fn: Callable, world_size: int = 2, *args: Any) -> None:
     """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors)) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,60 +1,237 @@
-"""Compatibility layer between torchtune 0.6.1, torchao 0.14/0.15 and current PyTorch.
+"""Every compatibility alias and registration of the project, and the import hook that applies them in time.
 
-This is the only module in torchtune_ext that touches torchao's internals. It is applied once,
-on ``import torchtune_ext``, and does two things:
+torchtune 0.6.1 (its last release) imports torchao names that later torchao releases moved or dropped, and torch
+>= 2.11 dispatches an op that torchao 0.15's NF4Tensor does not handle. This module fills exactly those gaps, each
+only where the installed version lacks the name (see :data:`_TORCHAO_ALIASES` and
+:func:`_register_missing_nf4_ops`), and re-exports torchao's NF4 names from wherever the installed torchao keeps
+them (``NF4Tensor``, ``to_nf4``, ... as attributes of this module).
 
-1. Exposes ``NF4Tensor``, ``to_nf4`` and ``nf4_ops_table_implements`` from wherever the installed
-   torchao keeps them, so the rest of the project imports them from here.
-2. Registers the NF4 ops that torch >= 2.11 dispatches and torchao 0.15 does not know:
+When: the aliases must exist after torchao has fully imported and before the first ``import torchtune``. Users
+start us in ways where torchtune is imported before any code of ours runs: ``tune run ...`` (torchtune's own
+console script imports torchtune first), the workers that ``tune run --nproc_per_node`` / ``torchrun`` start,
+``python recipes/<recipe>.py``, pytest, a notebook that imports torchtune first. Only interpreter start-up runs
+before all of them, so the package installs ``torchtune_ext_compat.pth`` into site-packages (see ``setup.py``);
+``site`` runs its one import line at start-up, which calls :func:`install_import_hook`. That only puts a finder on
+``sys.meta_path`` (no torch import, microseconds); the finder acts on the first ``import torchtune``: it imports
+torchao, applies the aliases and registrations, and lets torchtune's import proceed. ``import torchtune_ext`` calls
+:func:`install_import_hook` too, so a source tree on ``PYTHONPATH`` without the ``.pth`` works when torchtune_ext is
+imported first. Rejected: ``sitecustomize`` (one per environment, owned by the environment), a wrapper of the
+``tune`` script (users type ``tune``), entry points (torchtune 0.6.1 loads none).
 
-   - ``_c10d_functional._wrap_tensor_autograd``: functional collectives wrap their outputs with it
-     (``DTensor.full_tensor()``, ``redistribute``), so an all-gathered NF4 shard fails without it.
-     For NF4 the wrap is a wait on each inner tensor, as torchao's own ``wait_tensor`` handler does.
-
-   That is the only one: on torch 2.13 + torchao 0.15 (2-process gloo, tests/torchtune_ext/test_fsdp_nf4.py),
-   FSDP2 ``fully_shard`` of models built on CPU or meta (with or without ``set_trainable_params`` first),
-   forward/backward, ``state_dict``, ``full_tensor``, ``redistribute``, ``to_local``, torch DCP save/load,
-   ``get_model_state_dict``/``set_model_state_dict``, torchtune's ``gather_cpu_state_dict`` and
-   ``load_from_full_model_state_dict``, ``torch.save``/``torch.load``, ``deepcopy`` and ``.to(device)`` of NF4
-   params and models all work with it alone (``aten.alias`` is never dispatched on these paths).
+The same finder fixes ``tune run recipes/<recipe>.py`` from a clone: ``tune`` turns the path into the module
+``recipes.<recipe>`` and appends the working folder to ``sys.path``, after site-packages, where torchtune installs a
+placeholder ``recipes`` package whose ``__init__`` only raises ("The torchtune recipes directory isn't a
+package"). When that placeholder is what ``import recipes`` would find and the working folder has a
+``recipes/__init__.py``, the finder returns the working folder's package instead. Nothing importable changes: the
+placeholder can never be imported.
 """
 
 from __future__ import annotations
 
-import torch
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
 
-try:
-    from torchao.dtypes.nf4tensor import (
-        _INNER_TENSOR_NAMES_FOR_SHARDING,
-        NF4Tensor,
-        SubclassTensorArgs,
-        construct_nf4_args,
-        to_nf4,
-    )
-    from torchao.dtypes.nf4tensor import implements as nf4_ops_table_implements
-except ImportError as err:  # pragma: no cover - depends on the installed torchao
+#: where torchao keeps the NF4 tensor code: torchao < 0.18, then torchao >= 0.18.
+_NF4_MODULES = ("torchao.dtypes.nf4tensor", "torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+#: names this module re-exports from torchao's NF4 module.
+_NF4_EXPORTS = (
+    "NF4Tensor",
+    "SubclassTensorArgs",
+    "to_nf4",
+    "construct_nf4_args",
+    "_INNER_TENSOR_NAMES_FOR_SHARDING",
+)
+
+_applied = False
+
+
+def _removed(name: str, release: str) -> Callable[..., Any]:
+    """A stand-in for a torchao name that ``release`` removed without a drop-in replacement."""
+
+    def unavailable(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"torchao.{name} was removed in torchao {release}; torchtune 0.6.1 code that uses it (its int4/8da4w "
+            "post-training quantizers) needs torchao<0.16. torchtune_ext's QLoRA recipes do not use it."
+        )
+
+    unavailable.__name__ = name.rpartition(".")[2]
+    return unavailable
+
+
+def _int4_weight_only(group_size: int = 128, layout: Any = None, **kwargs: Any) -> Any:
+    """torchao < 0.16's ``int4_weight_only(group_size, layout)``: it built an ``Int4WeightOnlyConfig``, which
+    torchao >= 0.16 takes directly (``layout`` became ``int4_packing_format``; only the default is accepted)."""
+    from torchao.quantization import Int4WeightOnlyConfig
+
+    if layout is not None:
+        raise NotImplementedError(
+            "int4_weight_only(layout=...) has no equivalent in torchao>=0.16 (Int4WeightOnlyConfig takes "
+            "int4_packing_format); use torchao<0.16 for torchtune 0.6.1's Int4WeightOnlyQuantizer."
+        )
+    return Int4WeightOnlyConfig(group_size=group_size, **kwargs)
+
+
+class _TensorCoreTiledLayout:
+    """torchao < 0.18's ``torchao.dtypes.TensorCoreTiledLayout``: torchtune 0.6.1 imports it at module level but only
+    its int4 quantizer instantiates it, which torchao >= 0.18 cannot run anyway."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _removed("dtypes.TensorCoreTiledLayout", "0.18")()
+
+
+def _nf4_module() -> types.ModuleType:
+    """torchao's NF4 tensor module, wherever the installed release keeps it."""
+    for name in _NF4_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
     raise ImportError(
-        "torchtune_ext needs torchao's NF4Tensor (torchao.dtypes.nf4tensor), which torchao >= 0.16 "
-        "removed and torchtune 0.6.1 still imports. Install torchao>=0.14,<0.16: "
-        "pip install 'torchao>=0.14,<0.16'"
-    ) from err
-
-__all__ = ["NF4Tensor", "SubclassTensorArgs", "to_nf4", "nf4_ops_table_implements"]
+        f"torchtune_ext needs torchao's NF4Tensor ({' or '.join(_NF4_MODULES)}); none is importable. Install a "
+        "supported torchao: pip install 'torchao>=0.15,<0.19'"
+    )
 
 
-def _map_inner_tensors(nf4: NF4Tensor, fn) -> NF4Tensor:
-    updated = {name: fn(getattr(nf4, name)) for name in _INNER_TENSOR_NAMES_FOR_SHARDING}
-    return NF4Tensor(*construct_nf4_args(nf4, updated))
+def _alias_module(name: str, module: types.ModuleType) -> None:
+    """Makes ``import name`` and ``from parent import child`` give ``module``."""
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    setattr(importlib.import_module(parent), child, module)
+
+
+def _apply_torchao_aliases() -> None:
+    """The torchao names torchtune 0.6.1 imports, provided where the installed torchao lacks them."""
+    import torchao.dtypes
+    import torchao.quantization
+
+    # torchtune/modules/common_utils.py and four more modules: `from torchao.dtypes.nf4tensor import ...`;
+    # torchao 0.18 moved the module (same NF4Tensor class, ops table and FSDP hooks).
+    try:
+        importlib.import_module(_NF4_MODULES[0])
+    except ImportError:
+        _alias_module(_NF4_MODULES[0], importlib.import_module(_NF4_MODULES[1]))
+    # torchtune/training/quantization.py imports these three at module level (for its PTQ quantizers).
+    # int4_weight_only: removed in 0.16, a constructor of Int4WeightOnlyConfig until then.
+    if not hasattr(torchao.quantization, "int4_weight_only"):
+        torchao.quantization.int4_weight_only = _int4_weight_only
+    # int8_dynamic_activation_int4_weight: removed in 0.16 (its config class too in 0.17).
+    if not hasattr(torchao.quantization, "int8_dynamic_activation_int4_weight"):
+        torchao.quantization.int8_dynamic_activation_int4_weight = _removed(
+            "quantization.int8_dynamic_activation_int4_weight", "0.16"
+        )
+    # TensorCoreTiledLayout: removed in 0.18.
+    if not hasattr(torchao.dtypes, "TensorCoreTiledLayout"):
+        torchao.dtypes.TensorCoreTiledLayout = _TensorCoreTiledLayout
 
 
 def _register_missing_nf4_ops() -> None:
+    """NF4 ops that current torch dispatches and the installed torchao does not handle.
+
+    ``_c10d_functional._wrap_tensor_autograd`` (torch >= 2.11 wraps functional-collective outputs with it:
+    ``DTensor.full_tensor()``, ``redistribute``, FSDP2's all-gather of NF4 shards); torchao >= 0.16 handles it. For
+    NF4 the wrap is a wait on each inner tensor, as torchao's own ``wait_tensor`` handler does.
+    """
+    import torch
+
+    nf4 = _nf4_module()
     wrap_op = getattr(torch.ops._c10d_functional, "_wrap_tensor_autograd", None)
-    if wrap_op is not None:
+    if wrap_op is None or wrap_op.default in nf4.NF4_OPS_TABLE:
+        return
 
-        @nf4_ops_table_implements([wrap_op.default])
-        def _nf4_wrap_tensor_autograd(func, args, kwargs=None):
-            wait = torch.ops._c10d_functional.wait_tensor.default
-            return _map_inner_tensors(args[0], wait)
+    @nf4.implements([wrap_op.default])
+    def _nf4_wrap_tensor_autograd(func, args, kwargs=None):
+        wait = torch.ops._c10d_functional.wait_tensor.default
+        value = args[0]
+        inner = {name: wait(getattr(value, name)) for name in nf4._INNER_TENSOR_NAMES_FOR_SHARDING}
+        return nf4.NF4Tensor(*nf4.construct_nf4_args(value, inner))
 
 
-_register_missing_nf4_ops()
+def apply() -> None:
+    """Applies every alias and registration once (imports torchao, and torch). Idempotent."""
+    global _applied
+    if _applied:
+        return
+    _applied = True
+    _apply_torchao_aliases()
+    _register_missing_nf4_ops()
+
+
+def _torchtune_recipes_placeholder() -> Optional[Path]:
+    """The ``recipes/__init__.py`` that torchtune installs next to itself, or None (torchtune not installed)."""
+    spec = importlib.machinery.PathFinder.find_spec("torchtune")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent.parent / "recipes" / "__init__.py"
+
+
+class _CompatFinder(importlib.abc.MetaPathFinder):
+    """Applies :func:`apply` before the first ``import torchtune``; resolves ``recipes`` to the working folder's
+    package where torchtune's placeholder would shadow it. Finds nothing itself otherwise."""
+
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]], target: Optional[types.ModuleType] = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname == "torchtune":
+            apply()
+        elif fullname == "recipes":
+            return _local_recipes_spec()
+        return None
+
+
+class _NoRecipesHere(importlib.abc.Loader):
+    """Loads nothing: raises the error that tells a user who ran ``tune run recipes/...`` elsewhere what to do."""
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        raise ModuleNotFoundError(
+            f"`tune run recipes/<recipe>.py` imports the package `recipes` from the working folder, and {os.getcwd()} "
+            "has no recipes/ folder (only torchtune's unimportable placeholder was found). Run it from the root of a "
+            "torchtune_ext clone, or run the installed recipes by name from anywhere: "
+            "tune-ext run qlora_finetune_single_device --config <model>/<config> (tune-ext ls lists them)."
+        )
+
+
+def _local_recipes_spec() -> Optional[importlib.machinery.ModuleSpec]:
+    found = importlib.machinery.PathFinder.find_spec("recipes")
+    placeholder = _torchtune_recipes_placeholder()
+    if found is None or found.origin is None or placeholder is None or Path(found.origin) != placeholder:
+        return None
+    local = Path(os.getcwd()) / "recipes" / "__init__.py"
+    if not local.is_file():
+        return importlib.machinery.ModuleSpec("recipes", _NoRecipesHere())
+    return importlib.util.spec_from_file_location("recipes", local, submodule_search_locations=[str(local.parent)])
+
+
+def install_import_hook() -> None:
+    """Puts the finder first on ``sys.meta_path`` (once). If torchtune is already imported, applies now.
+
+    Called at interpreter start-up by ``torchtune_ext_compat.pth`` and by ``import torchtune_ext``.
+    """
+    if not any(isinstance(finder, _CompatFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _CompatFinder())
+    if "torchtune" in sys.modules:
+        apply()
+
+
+def __getattr__(name: str) -> Any:
+    """Lazily re-exports torchao's NF4 names (:data:`_NF4_EXPORTS`), applying the registrations first."""
+    if name == "nf4_ops_table_implements":
+        apply()
+        return _nf4_module().implements
+    if name in _NF4_EXPORTS:
+        apply()
+        return getattr(_nf4_module(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> Sequence[str]:
+    return sorted([*globals(), *_NF4_EXPORTS, "nf4_ops_table_implements"])

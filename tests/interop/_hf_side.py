@@ -1,5 +1,5 @@
-"""Runs inside the interop venv (torch + transformers + peft, no torchtune, no torchao): loads the folders our
-code wrote with transformers / peft and writes their logits.
+"""Runs in a fresh process of the test environment, importing only transformers / peft (no torchtune, nothing of
+ours): loads the folders our code wrote and writes their logits.
 
 Usage: ``python _hf_side.py SPEC_JSON OUT_SAFETENSORS REPORT_JSON``. The spec is::
 

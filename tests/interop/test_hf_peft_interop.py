@@ -1,4 +1,4 @@
-"""Our exported checkpoints in transformers and peft, in a separate venv (see ``_interop_venv.py``).
+"""Our exported checkpoints in transformers and peft, in the environment we train in (see ``_hf_runner.py``).
 
 Cases: the tiny Llama-style model (q/k rows permuted between torchtune and HF, Llama 3 RoPE scaling, tied
 embeddings), the same with DoRA (magnitudes follow the q/k permutation), the tiny Qwen-style model (q/k/v biases,
@@ -34,11 +34,11 @@ from typing import Any, Dict, Optional, Tuple
 
 import pytest
 import torch
-from _interop_venv import ROOT, ensure_interop_python, hf_logits
+from _hf_runner import ROOT, hf_logits
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.integration_test
+pytestmark = [pytest.mark.integration_test, pytest.mark.stack]
 
 TUNE = Path(sys.executable).parent / "tune"
 STEPS = 3
@@ -137,7 +137,7 @@ def _train(case: Case, out: Path, base: Path) -> DictConfig:
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1" if case.nproc else "2"},
+        env={**os.environ, "OMP_NUM_THREADS": "1" if case.nproc else "2"},
     )
     assert result.returncode == 0, f"recipe run failed (rc {result.returncode}):\n{result.stderr[-6000:]}"
     return OmegaConf.merge(OmegaConf.load(ROOT / case.config), OmegaConf.from_dotlist(args))
@@ -181,13 +181,8 @@ def _ours(cfg: DictConfig, run_dir: Path, input_ids: torch.Tensor, kept_ids: Opt
     return model(input_ids), untrained, dequantized
 
 
-@pytest.fixture(scope="module")
-def interop_python() -> Path:
-    return ensure_interop_python()
-
-
 @pytest.fixture(scope="module", params=list(CASES))
-def export(request, interop_python, tmp_path_factory) -> Export:
+def export(request, tmp_path_factory) -> Export:
     case = CASES[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     run_dir, base_dir = tmp / "run", tmp / "base"
@@ -211,7 +206,7 @@ def export(request, interop_python, tmp_path_factory) -> Export:
         {"name": "peft_recorded_base", "model": None, "adapter": str(adapter)},
         {"name": "original_base", "model": str(base_dir)},
     ]
-    hf, report = hf_logits(interop_python, input_ids, runs, tmp / "hf")
+    hf, report = hf_logits(input_ids, runs, tmp / "hf")
     return Export(case, run_dir, base_dir, cfg, ours, untrained, kept_ids, hf, report)
 
 

@@ -23,11 +23,9 @@ from conftest import run_distributed
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.integration_test, pytest.mark.distributed]
+pytestmark = [pytest.mark.integration_test, pytest.mark.distributed, pytest.mark.stack]
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # `recipes` (not an installed package) for the in-process ranks
 # Relative to ROOT (the runs' cwd): `tune run --nproc_per_node` turns the recipe path into a module name.
 DIST_RECIPE = "recipes/qlora_finetune_distributed.py"
 SINGLE_RECIPE = "recipes/qlora_finetune_single_device.py"
@@ -58,7 +56,8 @@ def _overrides(out: Path, base: Path) -> List[str]:
 
 
 def _env() -> Dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    # No PYTHONPATH: `tune run recipes/...` from the clone must work as users type it.
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _tune_run(recipe: str, args: List[str], nproc: int = 0) -> subprocess.CompletedProcess:
@@ -345,3 +344,39 @@ def test_real_model_configs(name):
     # The architecture builds (on the meta device) with NF4-compatible shapes in the configured dtype.
     model = tune_config.instantiate(cfg.model, dtype=torch.bfloat16, device="meta")
     assert sum(p.numel() for p in model.parameters()) > 1e9
+
+
+def test_two_node_launch_matches_one_node(base, dist_run, tmp_path):
+    """Two launchers on this machine, as on two nodes: ``--nnodes 2``, one gloo process per node, c10d rendezvous on
+    127.0.0.1 (the README's multi-node command). The same 2-rank job as ``dist_run``: the same losses."""
+    from conftest import free_port
+
+    out = tmp_path / "two_nodes"
+    launch = [
+        str(TUNE),
+        "run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv_id",
+        "two_node_test",
+        DIST_RECIPE,
+        "--config",
+        str(CONFIG),
+        *_overrides(out, base),
+        f"batch_size={PER_RANK_BATCH}",
+    ]
+    nodes = [
+        subprocess.Popen(launch, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [node.communicate(timeout=RUN_TIMEOUT_S) for node in nodes]
+    for node, (stdout, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, f"a node failed (rc {node.returncode}):\n{stdout[-2000:]}\n{stderr[-6000:]}"
+    assert _logged(out) == pytest.approx(_logged(dist_run), abs=1e-6)
+    _assert_same_tensors(_adapter(out), _adapter(dist_run), atol=1e-6)

@@ -4,11 +4,11 @@ Every run is bounded by a hang guard (``RUN_TIMEOUT_S``: the runs take seconds; 
 and the test fails) and must leave no process behind (its whole session is searched, zombies included).
 """
 
-import socket
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from reliability_utils import (
     DIST_CONFIG,
     DIST_RECIPE,
@@ -93,17 +93,11 @@ def test_stalled_rank_fails_the_others_after_process_group_timeout(tmp_path, bas
     assert summary["root_cause"] == 0 and all(code != 0 for code in summary["exit_codes"].values())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_rank_killed_without_launcher_makes_the_other_exit(tmp_path, base):
     """Each rank started on its own (as on separate nodes, no common launcher to stop the others): SIGKILL of
     rank 1 in step 3 makes rank 0 fail on its next collective instead of waiting."""
     out = tmp_path / "out"
-    port = _free_port()
+    port = free_port()
     overrides = _overrides(out, base, timeout_s=60) + [
         "loss.fault=pause",
         f"loss.steps=[{FAULT_STEP}]",

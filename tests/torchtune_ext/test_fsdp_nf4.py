@@ -17,6 +17,8 @@ from torchtune_ext._compat import NF4Tensor
 from torchtune_ext.models import materialize_, qlora_tiny_llama
 from torchtune_ext.modules import dequantize_nf4
 
+pytestmark = pytest.mark.stack
+
 NF4_INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
 # (device the model is built on, set_trainable_params before fully_shard, DoRA)
 SCENARIOS = [("cpu", False, False), ("cpu", True, True), ("meta", False, True), ("meta", True, False)]

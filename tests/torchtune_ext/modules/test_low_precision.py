@@ -17,6 +17,8 @@ from torchtune_ext.modules import (
     to_nf4_frozen,
 )
 
+pytestmark = pytest.mark.stack
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Tolerances of a compute-dtype result against the same computation done by F.linear in that dtype.
 TOL = {
