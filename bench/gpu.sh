@@ -12,7 +12,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 TUNE=${TUNE:-.venv/bin/tune}
-export PYTHONPATH=.
 CACHE=${CACHE:-/tmp/torchtune_ext_bench}
 STEPS=${STEPS:-20}
 mkdir -p "$CACHE"

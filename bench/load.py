@@ -4,7 +4,7 @@ A random-weight Llama-3.2-1B-shaped HF checkpoint (bf16, one 2.5 GB ``model.safe
 generated once, one tensor at a time, into ``--cache``. Then each loader runs in a fresh process:
 
 - ours: ``torchtune_ext.models.qlora_llama3_2_1b`` built on the meta device, then
-  ``QLoRAHFCheckpointer.load_base`` streams the file tensor by tensor, quantizing each frozen linear to NF4 as it
+  ``torchtune_ext.checkpoint.load_base_`` streams the file tensor by tensor, quantizing each frozen linear to NF4 as it
   arrives (plus adapter init), as ``recipes/qlora_finetune_single_device.py`` does;
 - torchtune: the setup path of its ``lora_finetune_single_device`` recipe: ``FullModelHFCheckpointer
   .load_checkpoint()`` (the whole state dict in memory), the model built on the CPU under the compute dtype
@@ -15,7 +15,7 @@ dtype. Reported: wall time, peak RSS above the process's RSS after imports (VmHW
 ``/proc/self/clear_refs``), the loaded model's own size, ratios ours / torchtune, and, as a correctness check, the
 largest difference between the two models' logits on a short input (after the measurement). Run::
 
-    PYTHONPATH=. python bench/load.py [--dtypes bf16,fp32] [--cache /tmp/torchtune_ext_bench] [--notes FILE]
+    python bench/load.py [--dtypes bf16,fp32] [--cache /tmp/torchtune_ext_bench] [--notes FILE]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _reset_peak() -> None:
 
 
 def _model_bytes(model) -> int:
-    from torchtune_ext._compat import NF4Tensor
+    from torchtune_ext.nf4 import NF4Tensor
 
     total = 0
     for tensor in list(model.parameters()) + list(model.buffers()):
@@ -75,8 +75,7 @@ def ensure_checkpoint(cache: Path) -> Path:
     from torchtune.models.llama3_2 import llama3_2_1b
     from torchtune.training import set_default_dtype
 
-    from torchtune_ext.training._checkpointing import write_random_hf_checkpoint
-    from torchtune_ext.training._hf import llama3_2_hf_config
+    from torchtune_ext.checkpoint import llama3_2_hf_config, write_random_hf_checkpoint
 
     path = cache / "llama3_2_1b_random_bf16"
     if (path / "model.safetensors").is_file():
@@ -106,8 +105,8 @@ def worker(which: str, dtype_name: str, checkpoint: Path, out: Path) -> Dict[str
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     torch.manual_seed(0)
     if which == "ours":
-        from torchtune_ext.models import qlora_llama3_2_1b
-        from torchtune_ext.training._checkpointing import QLoRAHFCheckpointer, materialize_adapters_
+        from torchtune_ext.checkpoint import QLoRAHFCheckpointer, load_base_
+        from torchtune_ext.models import init_adapters_, qlora_llama3_2_1b
     else:
         from torchtune.models.llama3_2 import qlora_llama3_2_1b as torchtune_qlora_llama3_2_1b
         from torchtune.training import FullModelHFCheckpointer
@@ -116,8 +115,10 @@ def worker(which: str, dtype_name: str, checkpoint: Path, out: Path) -> Dict[str
     start = time.perf_counter()
     if which == "ours":
         model = qlora_llama3_2_1b(**LORA, dtype=dtype)
-        QLoRAHFCheckpointer(str(checkpoint), str(out), "LLAMA3_2").load_base(model, torch.device("cpu"))
-        materialize_adapters_(model, torch.device("cpu"))
+        checkpointer = QLoRAHFCheckpointer(str(checkpoint), str(out), "LLAMA3_2")
+        checkpointer.validate(model)
+        load_base_(model, checkpointer, torch.device("cpu"))
+        init_adapters_(model, torch.device("cpu"))
     else:
         state = FullModelHFCheckpointer(str(checkpoint), ["model.safetensors"], "LLAMA3_2", str(out)).load_checkpoint()
         with training.set_default_dtype(dtype), torch.device("cpu"):
@@ -198,7 +199,7 @@ def main() -> None:
         "Peak = peak RSS above the RSS after imports. Machine: "
         f"{platform.machine()}, {os.cpu_count()} CPU cores (load average {load[0]:.1f} at the end), torch "
         f"{__import__('torch').__version__}, torchtune 0.6.1. Date: {datetime.date.today()}. Command: "
-        f"`PYTHONPATH=. python bench/load.py --dtypes {args.dtypes}`.",
+        f"`python bench/load.py --dtypes {args.dtypes}`.",
         "",
         "| compute dtype | ours: time / peak RSS / model | torchtune recipe setup: time / peak RSS / model | "
         "time ratio | peak RSS ratio | logits max diff |",
@@ -217,7 +218,7 @@ def main() -> None:
         "state dict while it builds (and quantizes) the model. In fp32 the two models' logits differ: torchtune's "
         "`load_state_dict` quantizes the bf16 checkpoint tensors in bf16 (torchao's `NF4Tensor.copy_` uses the source "
         "dtype) while ours casts them to the compute dtype first; from an fp32 checkpoint both give identical models "
-        "(tests/torchtune_ext/training/test_checkpointing.py). On CPU most of both loaders' time is NF4 quantization.",
+        "(tests/torchtune_ext/checkpoint/test_checkpointer.py). On CPU most of both loaders' time is NF4 quantization.",
     ]
     print("\n".join(lines))
     if args.notes:

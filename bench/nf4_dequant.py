@@ -1,15 +1,15 @@
 """Benchmark: NF4 dequantization and quantization throughput, ours vs torchao's, on the same tensors.
 
-- dequantize: ``torchtune_ext.modules.dequantize_nf4(w)`` vs torchao's ``w.get_original_weight()``, and to another
+- dequantize: ``torchtune_ext.nf4.dequantize_nf4(w)`` vs torchao's ``w.get_original_weight()``, and to another
   dtype (``dequantize_nf4(w, dtype)`` vs ``w.get_original_weight().to(dtype)``: bf16 storage, fp32 compute);
-- quantize: ``torchtune_ext.modules.quantize_nf4(w)`` vs torchao's ``to_nf4(w)``.
+- quantize: ``torchtune_ext.nf4.quantize_nf4(w)`` vs torchao's ``to_nf4(w)``.
 
 Before timing, every pair is checked bit for bit (dequantized values compared as integers, so signed zeros and NaNs
 count; quantized NF4 tensors compared inner tensor by inner tensor). Shapes are 7B/8B layers (4096x4096,
 11008x4096, 14336x4096), dtypes fp32, bf16, fp16. Prints best-of-N times, Gparam/s and the speedup (torchao time
 / ours). On a CPU shared with other processes, pass ``--threads 1`` (see bench/nf4_linear.py). Run::
 
-    PYTHONPATH=. python bench/nf4_dequant.py [--quick] [--device cpu|cuda] [--dtypes fp32,bf16,fp16] [--threads N]
+    python bench/nf4_dequant.py [--quick] [--device cpu|cuda] [--dtypes fp32,bf16,fp16] [--threads N]
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from typing import Dict, List
 import torch
 from _timing import best_seconds, machine, sync
 
-from torchtune_ext._compat import NF4Tensor, to_nf4
-from torchtune_ext.modules import dequantize_nf4, quantize_nf4
+from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4, to_nf4
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES = [(4096, 4096), (11008, 4096), (14336, 4096)]

@@ -17,7 +17,7 @@ On a CPU shared with other processes, pass ``--threads 1``: with more OpenMP thr
 region stalls on a preempted thread, which punishes code with many small ops (ours, slab by slab) far more than one
 big GEMM. Run::
 
-    PYTHONPATH=. python bench/nf4_linear.py [--quick] [--device cpu|cuda] [--dtypes fp32,bf16,fp16] [--threads N]
+    python bench/nf4_linear.py [--quick] [--device cpu|cuda] [--dtypes fp32,bf16,fp16] [--threads N]
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from _timing import best_seconds, machine, sync
 from torchao.dtypes.nf4tensor import linear_nf4 as torchao_linear_nf4
 
-from torchtune_ext._compat import NF4Tensor
-from torchtune_ext.modules import dequantize_nf4, linear_nf4, to_nf4_frozen
+from torchtune_ext.modules import linear_nf4
+from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES = [(4096, 4096), (11008, 4096), (14336, 4096)]
@@ -74,7 +74,7 @@ def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
 def _run_case(out_dim: int, in_dim: int, tokens: int, dtype: torch.dtype, device: torch.device, args) -> Dict:
     gen = torch.Generator(device=device).manual_seed(0)
     dense_init = (torch.randn(out_dim, in_dim, device=device, generator=gen) * 0.02).to(dtype)
-    nf4 = to_nf4_frozen(dense_init)
+    nf4 = quantize_nf4(dense_init)
     del dense_init
     weight = dequantize_nf4(nf4)
     x = torch.randn(tokens, in_dim, device=device, generator=gen).to(dtype).requires_grad_()

@@ -14,8 +14,8 @@ rank 64 on q/v/output_proj + MLP, activation checkpointing; the random-weight ch
 torchtune gets ``torchtune.models.llama3_2.qlora_llama3_2_1b``) on the tiny tokenizer and data, batch 4 of up to 128
 tokens, one step of warm-up. Run::
 
-    PYTHONPATH=. python bench/recipe.py [--device cpu|cuda] [--dtypes fp32,bf16] [--steps 60] [--repeats 3]
-    PYTHONPATH=. python bench/recipe.py --model 1b --steps 4 --repeats 1
+    python bench/recipe.py [--device cpu|cuda] [--dtypes fp32,bf16] [--steps 60] [--repeats 3]
+    python bench/recipe.py --model 1b --steps 4 --repeats 1
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def main() -> None:
         f"{memory} (max over runs). Device {args.device}; machine {platform.machine()}, "
         f"{os.cpu_count()} CPU cores shared with other jobs (load average {load[0]:.1f} at the end), torch "
         f"{torch.__version__}, torchtune 0.6.1. Date: {datetime.date.today()}. Command: "
-        f"`PYTHONPATH=. python bench/recipe.py --model {args.model} --device {args.device} --dtypes {args.dtypes} "
+        f"`python bench/recipe.py --model {args.model} --device {args.device} --dtypes {args.dtypes} "
         f"--steps {args.steps} --repeats {args.repeats}`.",
         "",
         "| dtype | ours tok/s | torchtune tok/s | tok/s ratio (goal >= 1.0x) | ours peak | torchtune peak | "

@@ -5,7 +5,7 @@ Model: a ~222M-parameter bf16 QLoRA Llama 3.2-style decoder (torchtune's ``lora_
 meta device and FSDP2-sharded (each layer, then the root) on 2 CPU ranks. Compared, on rank 0 (time until every rank
 is done, and peak RSS above the RSS before the call):
 
-- full gather: ``torchtune_ext.training.get_full_state_dict`` vs torchtune's ``gather_cpu_state_dict`` vs torch DCP's
+- full gather: ``torchtune_ext.distributed.get_full_state_dict`` vs torchtune's ``gather_cpu_state_dict`` vs torch DCP's
   ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (DCP returns NF4Tensors, not dequantized weights);
 - adapter-only gather: ``get_full_state_dict(adapter_weights_only=True)`` vs ``gather_cpu_state_dict(...,
   adapter_weights_only=True)``;
@@ -15,7 +15,7 @@ is done, and peak RSS above the RSS before the call):
 Before timing, the script checks that ours and torchtune's gathered dicts are equal, and that both loads give equal
 models. Run::
 
-    PYTHONPATH=. python bench/state_dict.py [--repeats 2] [--out FILE]
+    python bench/state_dict.py [--repeats 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _measure(fn: Callable[[], Any], repeats: int, setup: Optional[Callable[[], A
 
 
 def _assert_equal(ours: Dict[str, torch.Tensor], theirs: Dict[str, torch.Tensor], what: str) -> None:
-    from torchtune_ext._compat import NF4Tensor
+    from torchtune_ext.nf4 import NF4Tensor
 
     if ours.keys() != theirs.keys():
         raise AssertionError(f"{what}: key sets differ: {sorted(ours.keys() ^ theirs.keys())[:5]}")
@@ -142,9 +142,8 @@ def _worker(rank: int, port: int, repeats: int, result_path: str) -> None:
     )
     from torchtune.training import gather_cpu_state_dict, load_from_full_model_state_dict
 
-    import torchtune_ext  # noqa: F401  (NF4 compat ops)
-    from torchtune_ext._compat import NF4Tensor
-    from torchtune_ext.training import get_full_state_dict, load_full_state_dict
+    from torchtune_ext.distributed import get_full_state_dict, load_full_state_dict
+    from torchtune_ext.nf4 import NF4Tensor
 
     is_rank_zero = rank == 0
     cpu = torch.device("cpu")
@@ -231,7 +230,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     cpus = f"{os.cpu_count()} CPUs (shared)"
     machine = f"{platform.machine()}, {cpus}, {WORLD_SIZE} gloo ranks, torch {torch.__version__}"
     date = datetime.date.today().isoformat()
-    command = "PYTHONPATH=. python bench/state_dict.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python bench/state_dict.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         f"### state dict bench ({result['num_params'] / 1e6:.0f}M-param bf16 QLoRA, {result['num_adapters']} adapter "
         f"tensors)",

@@ -17,7 +17,7 @@ CPU peak RSS during the timed training steps (the kernel's high-water mark, rese
 RSS measured after imports and also for the whole process, plus the process's lifetime peak RSS; on CUDA also
 ``torch.cuda.max_memory_allocated`` during the steps. Run::
 
-    PYTHONPATH=. python bench/vocab_pruning.py [--steps 3] [--dtype bf16] [--out FILE]
+    python bench/vocab_pruning.py [--steps 3] [--dtype bf16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def worker(prune: bool, steps: int, dtype: torch.dtype) -> Dict[str, Any]:
     from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
     from torchtune_ext.models import build_qlora, materialize_
-    from torchtune_ext.modules.vocab_pruning import collect_token_ids, prune_vocab_
+    from torchtune_ext.modules import collect_token_ids, prune_vocab_
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     samples = synthetic_dataset()
@@ -193,7 +193,7 @@ def main() -> None:
 
     peer = _run_variant(False, args.steps, args.dtype)
     ours = _run_variant(True, args.steps, args.dtype)
-    command = f"PYTHONPATH=. python bench/vocab_pruning.py --steps {args.steps} --dtype {args.dtype}"
+    command = f"python bench/vocab_pruning.py --steps {args.steps} --dtype {args.dtype}"
     what = f"tiny Llama 3 QLoRA ({args.dtype}), V={VOCAB_SIZE} -> K={ours['kept']}, batch {BATCH}x{SEQ_LEN}"
     metrics = [
         ("train-step peak RSS above imports (MB)", "train_peak_above_imports_mb"),

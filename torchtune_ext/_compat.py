@@ -1,10 +1,11 @@
 """Every compatibility alias and registration of the project, and the import hook that applies them in time.
 
 torchtune 0.6.1 (its last release) imports torchao names that later torchao releases moved or dropped, and torch
->= 2.11 dispatches an op that torchao 0.15's NF4Tensor does not handle. This module fills exactly those gaps, each
-only where the installed version lacks the name (see :data:`_TORCHAO_ALIASES` and
-:func:`_register_missing_nf4_ops`), and re-exports torchao's NF4 names from wherever the installed torchao keeps
-them (``NF4Tensor``, ``to_nf4``, ... as attributes of this module).
+>= 2.11 dispatches an op on NF4Tensors that torchao 0.15 does not handle (and 0.16+ handles lazily). This module
+fills exactly those gaps: each alias only where the installed torchao lacks the name, with the reason next to it
+(:func:`_apply_torchao_aliases`), and one op handler (:func:`_register_nf4_ops`, which says why it replaces
+torchao's); and it re-exports torchao's NF4 names from wherever the installed torchao keeps them (``NF4Tensor``,
+``to_nf4``, ... as attributes of this module).
 
 When: the aliases must exist after torchao has fully imported and before the first ``import torchtune``. Users
 start us in ways where torchtune is imported before any code of ours runs: ``tune run ...`` (torchtune's own
@@ -131,18 +132,21 @@ def _apply_torchao_aliases() -> None:
         torchao.dtypes.TensorCoreTiledLayout = _TensorCoreTiledLayout
 
 
-def _register_missing_nf4_ops() -> None:
-    """NF4 ops that current torch dispatches and the installed torchao does not handle.
+def _register_nf4_ops() -> None:
+    """The NF4 handler of ``_c10d_functional._wrap_tensor_autograd``, which torch >= 2.11 dispatches on the outputs of
+    functional collectives (``DTensor.full_tensor()``, ``redistribute``, FSDP2's all-gather of NF4 shards).
 
-    ``_c10d_functional._wrap_tensor_autograd`` (torch >= 2.11 wraps functional-collective outputs with it:
-    ``DTensor.full_tensor()``, ``redistribute``, FSDP2's all-gather of NF4 shards); torchao >= 0.16 handles it. For
-    NF4 the wrap is a wait on each inner tensor, as torchao's own ``wait_tensor`` handler does.
+    torchao 0.15 has no handler (the op fails on NF4). torchao >= 0.16 has one that leaves the inner tensors as
+    ``AsyncCollectiveTensor``s (waited on first use), so a gathered NF4Tensor cannot be saved and loaded back with
+    ``torch.load(weights_only=True)`` ("Unsupported global: AsyncCollectiveTensor";
+    tests/torchtune_ext/distributed/test_fsdp_nf4.py). Ours waits on each inner tensor, as torchao's own
+    ``wait_tensor`` handler does, for every torchao release: the one registration that replaces an existing handler.
     """
     import torch
 
     nf4 = _nf4_module()
     wrap_op = getattr(torch.ops._c10d_functional, "_wrap_tensor_autograd", None)
-    if wrap_op is None or wrap_op.default in nf4.NF4_OPS_TABLE:
+    if wrap_op is None:
         return
 
     @nf4.implements([wrap_op.default])
@@ -160,7 +164,7 @@ def apply() -> None:
         return
     _applied = True
     _apply_torchao_aliases()
-    _register_missing_nf4_ops()
+    _register_nf4_ops()
 
 
 def _torchtune_recipes_placeholder() -> Optional[Path]:

@@ -4,12 +4,13 @@ ours): loads the folders our code wrote and writes their logits.
 Usage: ``python _hf_side.py SPEC_JSON OUT_SAFETENSORS REPORT_JSON``. The spec is::
 
     {"input_ids": [[...], ...],
-     "runs": [{"name": "merged", "model": "<HF folder>", "adapter": null},
+     "runs": [{"name": "merged", "model": "<HF folder>", "adapter": null, "dtype": "auto"},
               {"name": "peft", "model": "<HF base folder>", "adapter": "<PEFT adapter folder>"},
               {"name": "peft_recorded_base", "model": null, "adapter": "<PEFT adapter folder>"}]}
 
 ``"model": null`` loads the base that the adapter's ``adapter_config.json`` names (``base_model_name_or_path``), as
-``AutoPeftModelForCausalLM`` would.
+``AutoPeftModelForCausalLM`` would. ``"dtype"`` is what ``from_pretrained`` gets: a torch dtype name (default
+``float32``) or ``"auto"`` (the dtype the folder's ``config.json`` names).
 
 Every run's fp32 logits go into ``OUT_SAFETENSORS`` under its name. Loading is strict: a missing, unexpected or
 mis-shaped weight (which transformers would otherwise initialise randomly with a warning) or an adapter tensor
@@ -23,13 +24,17 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 
-def _load_model(folder: str) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+def _load_model(folder: str, dtype: str) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+    # transformers 4.x takes torch_dtype= (4.56+ also dtype=); 5.x takes dtype=.
+    dtype_arg = "torch_dtype" if int(transformers.__version__.split(".")[0]) < 5 else "dtype"
+    value = dtype if dtype == "auto" else getattr(torch, dtype)
     model, info = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+        folder, **{dtype_arg: value}, attn_implementation="eager", output_loading_info=True
     )
     problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
     if problems or info.get("error_msgs"):
@@ -40,6 +45,7 @@ def _load_model(folder: str) -> Tuple[torch.nn.Module, Dict[str, Any]]:
         "dtype": str(next(model.parameters()).dtype),
         "tied": model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr(),
         "vocab_size": model.get_output_embeddings().weight.shape[0],
+        "transformers": transformers.__version__,
     }
 
 
@@ -64,11 +70,11 @@ def _attach_adapter(model: torch.nn.Module, adapter: str) -> torch.nn.Module:
 
 @torch.no_grad()
 def _logits(
-    folder: Optional[str], adapter: Optional[str], input_ids: torch.Tensor
+    folder: Optional[str], adapter: Optional[str], input_ids: torch.Tensor, dtype: str
 ) -> Tuple[torch.Tensor, Dict[str, Any]]:
     if folder is None:
         folder = json.loads((Path(adapter) / "adapter_config.json").read_text())["base_model_name_or_path"]
-    model, report = _load_model(folder)
+    model, report = _load_model(folder, dtype)
     if adapter is not None:
         model = _attach_adapter(model, adapter)
     model.eval()
@@ -81,7 +87,9 @@ def main(argv: List[str]) -> None:
     input_ids = torch.tensor(spec["input_ids"], dtype=torch.long)
     logits, reports = {}, {}
     for run in spec["runs"]:
-        logits[run["name"]], reports[run["name"]] = _logits(run.get("model"), run.get("adapter"), input_ids)
+        logits[run["name"]], reports[run["name"]] = _logits(
+            run.get("model"), run.get("adapter"), input_ids, run.get("dtype", "float32")
+        )
     save_file({k: v.contiguous() for k, v in logits.items()}, out_path)
     Path(report_path).write_text(json.dumps(reports, indent=2))
 

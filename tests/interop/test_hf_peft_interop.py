@@ -153,23 +153,27 @@ def _ours(cfg: DictConfig, run_dir: Path, input_ids: torch.Tensor, kept_ids: Opt
     """
     from torchtune import config
 
-    from torchtune_ext.modules.vocab_pruning import prune_vocab_
-    from torchtune_ext.training._checkpointing import QLoRAHFCheckpointer, materialize_adapters_
+    from torchtune_ext.checkpoint import QLoRAHFCheckpointer, load_base_
+    from torchtune_ext.distributed import get_full_state_dict
+    from torchtune_ext.models import init_adapters_
+    from torchtune_ext.modules import prune_vocab_
 
     device = torch.device("cpu")
     model = config.instantiate(cfg.model, dtype=torch.float32, adapter_dtype=torch.float32, device="meta")
     checkpointer = QLoRAHFCheckpointer(
         cfg.checkpointer.checkpoint_dir, str(run_dir / "dequantized"), cfg.checkpointer.model_type
     )
-    checkpointer.load_base(model, device)
-    materialize_adapters_(model, device)
+    checkpointer.validate(model)
+    load_base_(model, checkpointer, device)
+    init_adapters_(model, device)
     model.eval()
     untrained = model(input_ids)
     # Only the merged folder of this save is used; the adapter config does not matter for it.
     adapter_config = dict(
         target_modules=["q_proj"], rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha, dropout=0.0, use_dora=False
     )
-    dequantized = checkpointer.save(model, 0, adapter_config, save_merged=True, dtype=torch.float32) / "merged"
+    state = get_full_state_dict(model, keep_nf4=True, cpu_offload=False)
+    dequantized = checkpointer.save(state, 0, adapter_config, save_merged=True, dtype=torch.float32) / "merged"
 
     if kept_ids is not None:
         prune_vocab_(model, kept_ids, dtype=torch.float32)

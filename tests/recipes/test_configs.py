@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 
-from torchtune_ext.training._hf import SUPPORTED_MODEL_TYPES
+from torchtune_ext.checkpoint import SUPPORTED_MODEL_TYPES
 
 pytestmark = pytest.mark.integration_test
 
@@ -37,7 +37,7 @@ def test_config_builds_and_points_at_hf_checkpoints(path):
     cfg = OmegaConf.load(path)
     assert cfg.dtype == "bf16" and "dtype=fp32" in text and "dtype=fp16" in text and "T4" in text
     assert "tune download" in text
-    assert cfg.checkpointer._component_ == "torchtune_ext.training._checkpointing.QLoRAHFCheckpointer"
+    assert cfg.checkpointer._component_ == "torchtune_ext.checkpoint.QLoRAHFCheckpointer"
     assert cfg.checkpointer.model_type in SUPPORTED_MODEL_TYPES
     assert all(str(f).endswith(".safetensors") for f in cfg.checkpointer.checkpoint_files)
     assert str(cfg.tokenizer.path).startswith(str(cfg.checkpointer.checkpoint_dir))
@@ -45,3 +45,11 @@ def test_config_builds_and_points_at_hf_checkpoints(path):
         assert callable(_get_component_from_path(cfg[key]._component_)), key
     model = config.instantiate(cfg.model, dtype=torch.bfloat16, adapter_dtype=torch.bfloat16, device="meta")
     assert all(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_configs_name_only_public_components(path):
+    """Configs name public paths only (a private module path moves with the code and breaks users' configs)."""
+    components = [line.split(":", 1)[1].strip() for line in path.read_text().splitlines() if "_component_:" in line]
+    ours = [c for c in components if c.startswith("torchtune_ext.")]
+    assert ours and all(not part.startswith("_") for c in ours for part in c.split(".")), ours

@@ -281,7 +281,7 @@ def _fp16_overflow_worker(rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from torchtune_ext.training._distributed import DistributedLossScaler
+    from torchtune_ext.training import DistributedLossScaler
 
     mesh = init_device_mesh("cpu", (2,))
     sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))

@@ -32,11 +32,11 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from torchtune_ext._compat import to_nf4
+from torchtune_ext import _dtype
+from torchtune_ext.checkpoint import HFConverter
 from torchtune_ext.data import write_tiny_checkpoint
-from torchtune_ext.modules.vocab_pruning import save_kept_ids
-from torchtune_ext.training import _precision
-from torchtune_ext.training._hf import HFConverter
+from torchtune_ext.modules import save_kept_ids
+from torchtune_ext.nf4 import to_nf4
 
 pytestmark = [pytest.mark.integration_test, pytest.mark.stack]
 
@@ -166,7 +166,7 @@ def _parity_cfg(base: Path, out: Path, ours: bool):
         },
         "tokenizer": {"_component_": "torchtune_ext.data.tiny_tokenizer", "max_seq_len": 64},
         "checkpointer": {
-            "_component_": "torchtune_ext.training._checkpointing.QLoRAHFCheckpointer"
+            "_component_": "torchtune_ext.checkpoint.QLoRAHFCheckpointer"
             if ours
             else "torchtune.training.FullModelHFCheckpointer",
             "checkpoint_dir": str(base),
@@ -385,8 +385,9 @@ def test_resume_mid_epoch_equals_a_straight_run(runs, workdir, base):
 # ------------------------------------------------------------------------------------------------ export
 
 
-def _check_merged(out: Path, base: Path, model_type: str, rank: int, alpha: float) -> None:
-    """Merged weights == dequantized NF4 base + (alpha / rank) * B @ A, from the files alone."""
+def _check_merged(out: Path, base: Path, model_type: str, rank: int, alpha: float, original: bool = False) -> None:
+    """Merged weights == dequantized NF4 base (``original``: the base checkpoint's own weights) + (alpha / rank) *
+    B @ A, from the files alone."""
     step = sorted(out.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
     index = json.loads((step / "merged" / "model.safetensors.index.json").read_text())
     merged = {k: v for f in set(index["weight_map"].values()) for k, v in load_file(step / "merged" / f).items()}
@@ -406,9 +407,10 @@ def _check_merged(out: Path, base: Path, model_type: str, rank: int, alpha: floa
     for key, value in merged.items():
         expected = hf_base[key]
         if key.endswith("proj.weight"):
-            # NF4 blocks run along the model's (torchtune-layout) rows.
-            tune_key, tune_value = converter.to_tune(key, expected)
-            expected = converter.to_hf(tune_key, to_nf4(tune_value).get_original_weight())[1]
+            if not original:
+                # NF4 blocks run along the model's (torchtune-layout) rows.
+                tune_key, tune_value = converter.to_tune(key, expected)
+                expected = converter.to_hf(tune_key, to_nf4(tune_value).get_original_weight())[1]
             prefix = "base_model.model." + key[: -len(".weight")]
             if f"{prefix}.lora_A.weight" in peft:
                 lora_modules += 1
@@ -467,7 +469,8 @@ def test_vocab_pruning_exports_the_trained_rows(runs, base):
     torch.testing.assert_close(rows, embedding[kept_ids], rtol=0, atol=0)
 
 
-def test_export_qwen_merged_equals_dequantized_base_plus_lora(workdir):
+def test_export_qwen_merged_onto_the_original_base_plus_lora(workdir):
+    """``merge_base=original``: the merged model is the checkpoint's own weights + LoRA (PEFT's model)."""
     out, qwen_base = workdir / "qwen", workdir / "base_qwen"
     tune_run(
         f"output_dir={out}",
@@ -478,8 +481,9 @@ def test_export_qwen_merged_equals_dequantized_base_plus_lora(workdir):
         "max_steps_per_epoch=2",
         "batch_size=4",
         "run_val_every_n_steps=null",
+        "merge_base=original",
     )
-    _check_merged(out, qwen_base, "QWEN2", rank=16, alpha=32)
+    _check_merged(out, qwen_base, "QWEN2", rank=16, alpha=32, original=True)
     merged = load_file(next((out / "step_2" / "merged").glob("*.safetensors")))
     hf_base = load_file(qwen_base / "model.safetensors")
     assert torch.equal(merged["model.layers.0.self_attn.q_proj.bias"], hf_base["model.layers.0.self_attn.q_proj.bias"])
@@ -529,7 +533,7 @@ def test_bad_config_fails_clearly_before_writing(base, workdir, overrides, messa
 
 
 def test_bf16_where_unsupported_fails_before_writing(base, workdir, monkeypatch):
-    monkeypatch.setattr(_precision, "is_bf16_supported", lambda device: False)
+    monkeypatch.setattr(_dtype, "is_bf16_supported", lambda device: False)
     module = _load_module(RECIPE, "qlora_no_bf16")
     out = workdir / "no_bf16"
     cfg = OmegaConf.merge(

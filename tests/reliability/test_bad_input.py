@@ -29,8 +29,8 @@ from reliability_utils import (
 )
 from safetensors.torch import load_file, save_file
 
+from torchtune_ext import _dtype
 from torchtune_ext.data import write_tiny_checkpoint
-from torchtune_ext.training import _precision
 
 pytestmark = [pytest.mark.integration_test]
 
@@ -182,6 +182,28 @@ SINGLE_DEVICE_CASES = [
         "fresh",
         id="output_dir_inside_the_base_model",
     ),
+    pytest.param(
+        ["tokenizer._component_=torchtune.models.llama3.llama3_tokenizer", "tokenizer.path={out}_none/tokenizer.model"],
+        ["tokenizer.path=", "does not exist", "set tokenizer.path to the file in the model's folder"],
+        "fresh",
+        id="missing_tokenizer_file",
+    ),
+    pytest.param(
+        [
+            "tokenizer._component_=torchtune.models.qwen2_5.qwen2_5_tokenizer",
+            "tokenizer.path={a_file}",
+            "tokenizer.merges_file={out}_none/merges.txt",
+        ],
+        ["tokenizer.merges_file=", "does not exist"],
+        "fresh",
+        id="missing_tokenizer_merges_file",
+    ),
+    pytest.param(
+        ["dataset._component_=torchtune.datasets.alpaca_dataset", "#offline"],
+        ["dataset: the data set 'tatsu-lab/alpaca' could not be loaded", "dataset.source=json dataset.data_files="],
+        "fresh",
+        id="data_set_not_reachable_offline",
+    ),
     pytest.param(["dataset.num_samples=0"], "The data set gives 0 batches", "fresh", id="empty_data_set"),
     pytest.param(["tokenizer.max_seq_len=4"], "max_seq_len", "fresh", id="max_seq_len_smaller_than_a_prompt"),
     pytest.param(["batch_size=0"], "batch_size=0 must be a positive integer", "fresh", id="zero_batch_size"),
@@ -242,7 +264,13 @@ def test_single_device_bad_input_fails_before_writing(
         if ":" in output:
             _damage(out / "recipe_state" / "recipe_state.pt", output.split(":")[1])
     if "#no_bf16" in overrides:  # a device without bf16 (e.g. a T4), simulated
-        monkeypatch.setattr(_precision, "is_bf16_supported", lambda device: False)
+        monkeypatch.setattr(_dtype, "is_bf16_supported", lambda device: False)
+    if "#offline" in overrides:  # no network (as here, without the retries): the Hub libraries' offline mode
+        import datasets
+        import huggingface_hub
+
+        monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     values = {**{k: str(v) for k, v in inputs.items()}, "out": str(out)}
     cfg = _cfg(out, inputs["base"], [o.format(**values) for o in overrides if not o.startswith("#")])
     out = Path(cfg.output_dir)
@@ -343,14 +371,14 @@ def tiny_model():
 
 
 def test_include_keys_and_ignore_keys_together(tiny_model):
-    from torchtune_ext.training._state_dict import get_full_state_dict
+    from torchtune_ext.distributed import get_full_state_dict
 
     with pytest.raises(ValueError, match="include_keys and ignore_keys are mutually exclusive; pass one of them."):
         get_full_state_dict(tiny_model, include_keys="layers.*", ignore_keys="*.lora_*")
 
 
 def test_unmatched_glob_names_the_nearest_keys(tiny_model):
-    from torchtune_ext.training._state_dict import get_full_state_dict
+    from torchtune_ext.distributed import get_full_state_dict
 
     with pytest.raises(ValueError) as raised:
         get_full_state_dict(tiny_model, include_keys=["layers.*.attn.q_proj.*", "layers.*.attn.qproj.*"])

@@ -8,10 +8,9 @@ from typing import Union
 import torch
 from torchtune.training import set_default_dtype
 
+from torchtune_ext._dtype import parse_dtype
+from torchtune_ext.checkpoint import llama3_2_hf_config, qwen2_hf_config, write_random_hf_checkpoint
 from torchtune_ext.models import TINY_LLAMA_ARGS, TINY_QWEN_ARGS, lora_tiny_llama, lora_tiny_qwen
-from torchtune_ext.training._checkpointing import write_random_hf_checkpoint
-from torchtune_ext.training._hf import llama3_2_hf_config, qwen2_hf_config
-from torchtune_ext.training._precision import parse_dtype
 
 _FAMILIES = {
     "llama": (lora_tiny_llama, TINY_LLAMA_ARGS, llama3_2_hf_config, "LLAMA3_2"),
@@ -58,7 +57,7 @@ def write_tiny_checkpoint(
     if not overwrite and all(f.is_file() for f in files):
         return checkpoint_dir
     builder, args, hf_config, model_type = _FAMILIES[family]
-    torch_dtype = parse_dtype(dtype, torch.device("cpu"))
+    torch_dtype = parse_dtype(dtype)
     with set_default_dtype(torch_dtype), torch.device("meta"):
         model = builder(lora_attn_modules=["q_proj"], tie_word_embeddings=tie_word_embeddings)
     config = hf_config(**{**args, "tie_word_embeddings": tie_word_embeddings}, dtype=torch_dtype)

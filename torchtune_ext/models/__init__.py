@@ -15,7 +15,8 @@ from torchtune.models.qwen2_5 import (
     lora_qwen2_5_7b_instruct,
 )
 
-from torchtune_ext.models._qlora import build_qlora, init_weights_, materialize_, qlora_builder
+from torchtune_ext.models._init import check_adapter_state, init_adapters_, init_weights_, materialize_
+from torchtune_ext.models._qlora import build_qlora, qlora_builder
 from torchtune_ext.models._tiny import (
     TINY_LLAMA_ARGS,
     TINY_QWEN_ARGS,
@@ -61,6 +62,8 @@ __all__ = [
     "TINY_LLAMA_ARGS",
     "TINY_QWEN_ARGS",
     "build_qlora",
+    "check_adapter_state",
+    "init_adapters_",
     "init_weights_",
     "lora_tiny_llama",
     "lora_tiny_qwen",

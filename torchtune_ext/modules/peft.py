@@ -2,29 +2,39 @@
 
 Why this is a fork of torchtune's ``LoRALinear``/``DoRALinear``: torchtune's versions compute the NF4 base in the
 activation's dtype through torchao's ``linear_nf4`` and keep the adapters in that same dtype, so fp32 master
-adapters under fp16 compute are impossible. Parameter names, ``adapter_params()`` and initialisation are
-torchtune's, so ``get_adapter_params``, ``set_trainable_params``, ``get_adapter_state_dict``,
-``get_merged_lora_ckpt`` and ``validate_missing_and_unexpected_for_lora`` work on these unchanged.
+adapters under fp16 compute are impossible. Parameter names, ``adapter_params()``, ``to_empty`` (adapters only)
+and initialisation are torchtune's, so ``get_adapter_params``, ``set_trainable_params``, ``get_adapter_state_dict``,
+``get_merged_lora_ckpt`` and ``validate_missing_and_unexpected_for_lora`` work on these unchanged (torchtune's own
+tests for these layers run on ours: tests/torchtune_ext/upstream/).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+import math
+from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtune.modules.peft import AdapterModule
-from torchtune.modules.peft.lora import _lora_a_init_params, _lora_b_init_params
 
-from torchtune_ext.modules.low_precision import (
-    _quantize_incoming_weight,
-    check_float_dtype,
-    check_nf4_shape,
-    dequantize_nf4,
-    linear_nf4,
-    to_nf4_frozen,
-)
+from torchtune_ext.modules.low_precision import _quantize_incoming_weight, linear_nf4
+from torchtune_ext.nf4 import check_float_dtype, check_nf4_shape, dequantize_nf4, quantize_nf4
+
+
+@torch.no_grad()
+def init_lora_weights_(lora_a: torch.Tensor, lora_b: torch.Tensor, generator: Optional[torch.Generator] = None) -> None:
+    """torchtune's (and Microsoft LoRA's) initialisation: Kaiming-uniform ``A`` (``a=sqrt(5)``, i.e.
+    U(-1/sqrt(in_dim), 1/sqrt(in_dim))), zero ``B``, so the layer starts equal to its base.
+
+    Args:
+        lora_a (torch.Tensor): ``(rank, in_dim)``, drawn from ``generator`` (None: the global RNG).
+        lora_b (torch.Tensor): ``(out_dim, rank)``, zeroed.
+        generator (Optional[torch.Generator]): RNG for ``A``.
+    """
+    nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5), generator=generator)
+    nn.init.zeros_(lora_b)
 
 
 class LoRALinear(nn.Module, AdapterModule):
@@ -67,8 +77,8 @@ class LoRALinear(nn.Module, AdapterModule):
         check_float_dtype(adapter_dtype, "adapter_dtype")
         if not quantize_base and any(quantization_kwargs.values()):
             raise ValueError(
-                f"quantize_base is False, but received quantization arguments {quantization_kwargs}; "
-                "pass quantize_base=True or drop them."
+                "``quantize_base`` is False, but received the following quantization arguments: "
+                f"{quantization_kwargs}; pass quantize_base=True or drop them."
             )
         if quantize_base:
             check_nf4_shape((out_dim, in_dim), **quantization_kwargs)
@@ -84,7 +94,7 @@ class LoRALinear(nn.Module, AdapterModule):
         self.merged = False
 
         base = nn.Linear(in_dim, out_dim, bias=use_bias, dtype=dtype)
-        weight = to_nf4_frozen(base.weight, **quantization_kwargs) if quantize_base else base.weight
+        weight = quantize_nf4(base.weight, **quantization_kwargs) if quantize_base else base.weight
         self.weight = nn.Parameter(weight, requires_grad=not quantize_base)
         self.bias = base.bias
         self.dropout = nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()
@@ -96,9 +106,23 @@ class LoRALinear(nn.Module, AdapterModule):
             self.register_load_state_dict_pre_hook(_quantize_incoming_weight)
 
     def initialize_parameters(self) -> None:
-        """Kaiming-uniform ``lora_a``, zero ``lora_b`` (torchtune's init)."""
-        _lora_a_init_params(self.lora_a)
-        _lora_b_init_params(self.lora_b)
+        """Kaiming-uniform ``lora_a``, zero ``lora_b`` (torchtune's init, :func:`init_lora_weights_`)."""
+        init_lora_weights_(self.lora_a.weight, self.lora_b.weight)
+
+    def to_empty(self, *, device: Optional[Union[str, torch.device, int]], recurse: bool = True) -> LoRALinear:
+        """Moves only the adapter params off the meta device (torchtune's contract): the base weight and bias stay
+        where they are, so a base weight that no checkpoint filled is still on meta and is caught.
+
+        Args:
+            device (Optional[Union[str, torch.device, int]]): the target device.
+            recurse (bool): passed to the adapter linears.
+
+        Returns:
+            LoRALinear: self.
+        """
+        self.lora_a.to_empty(device=device, recurse=recurse)
+        self.lora_b.to_empty(device=device, recurse=recurse)
+        return self
 
     def adapter_params(self) -> List[str]:
         """
@@ -163,16 +187,43 @@ class DoRALinear(LoRALinear):
         lora_weight = self.lora_b.weight.to(dtype) @ self.lora_a.weight.to(dtype)
         return torch.linalg.norm(base + self.scaling * lora_weight, dim=1)
 
+    def to_empty(self, *, device: Optional[Union[str, torch.device, int]], recurse: bool = True) -> DoRALinear:
+        """Moves the adapter params and the magnitude off the meta device, not the base (torchtune's contract).
+
+        Args:
+            device (Optional[Union[str, torch.device, int]]): the target device.
+            recurse (bool): passed to the adapter linears.
+
+        Returns:
+            DoRALinear: self.
+        """
+        super().to_empty(device=device, recurse=recurse)
+        magnitude = nn.Parameter(
+            torch.empty_like(self.magnitude, device=device), requires_grad=self.magnitude.requires_grad
+        )
+        torch.utils.swap_tensors(self.magnitude, magnitude)
+        return self
+
     @torch.no_grad()
     def initialize_dora_magnitude(self) -> None:
-        """Sets ``magnitude`` to the row norms of ``W0 + scaling * B A``.
+        """Sets ``magnitude`` to the row norms of ``W0 + scaling * B A``; on an FSDP2-sharded layer each rank
+        computes its own rows from its shard (the base, ``lora_b`` and ``magnitude`` are sharded alike on dim 0;
+        ``lora_a``, sharded on its rank dim, is gathered).
 
         Raises:
             RuntimeError: if the base or adapter params are still on the meta device.
         """
         if any(p.is_meta for p in (self.weight, self.lora_a.weight, self.lora_b.weight)):
             raise RuntimeError("Cannot initialize DoRA magnitude while base or LoRA params are on meta device.")
-        self.magnitude.copy_(self._merged_weight_norm(self.magnitude.dtype))
+        if not isinstance(self.magnitude, DTensor):
+            self.magnitude.copy_(self._merged_weight_norm(self.magnitude.dtype))
+            return
+        dtype = self.magnitude.dtype
+        weight = self.weight.to_local()
+        base = dequantize_nf4(weight, dtype) if self._quantize_base else weight.to(dtype)
+        lora_a = self.lora_a.weight.full_tensor().to(dtype)
+        lora_b = self.lora_b.weight.to_local().to(dtype)
+        self.magnitude.to_local().copy_(torch.linalg.norm(base + self.scaling * (lora_b @ lora_a), dim=1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """

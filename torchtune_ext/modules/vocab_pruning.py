@@ -24,7 +24,8 @@ projects floating hidden states, so both uses go through FSDP's hooks)::
     fully_shard(pruning, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
 
 or it stays unsharded and replicated on every rank: keep it out of the root's ``fully_shard`` with
-``ignored_params=set(pruning.parameters())`` and call :func:`all_reduce_replicated_grads_` after backward.
+``ignored_params=set(pruning.parameters())`` and sum its gradients over the ranks after backward
+(``torchtune_ext.distributed.all_reduce_grads``); ``torchtune_ext.distributed.shard_model`` does either.
 """
 
 from __future__ import annotations
@@ -36,16 +37,14 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtune.modules import TiedLinear
 from torchtune.modules.peft import AdapterModule
 
-from torchtune_ext._compat import NF4Tensor
-from torchtune_ext.modules.low_precision import check_float_dtype, dequantize_nf4
 from torchtune_ext.modules.peft import DoRALinear, LoRALinear
+from torchtune_ext.nf4 import NF4Tensor, check_float_dtype, dequantize_nf4
 
 KeptIds = Union[Sequence[int], torch.Tensor]
 
@@ -514,31 +513,6 @@ def get_vocab_pruning(model: nn.Module) -> Optional[VocabPruning]:
     return embedding if isinstance(embedding, VocabPruning) else None
 
 
-def all_reduce_replicated_grads_(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Averages the gradients of an unsharded, replicated module over the ranks, in place.
-
-    Call it after backward (and after the last micro-batch when accumulating) when the module is replicated
-    instead of sharded; averaging matches FSDP's reduction, so both modes take the same optimizer steps.
-
-    Args:
-        module (nn.Module): the replicated module, e.g. the :class:`VocabPruning` module.
-        group (Optional[dist.ProcessGroup]): the data-parallel group. Default: the world.
-
-    Raises:
-        ValueError: if a parameter is sharded (a DTensor).
-    """
-    world_size = dist.get_world_size(group)
-    for name, param in module.named_parameters():
-        if isinstance(param, DTensor):
-            raise ValueError(f"{name} is a sharded DTensor; FSDP already reduces its gradient.")
-        if not param.requires_grad:
-            continue
-        if param.grad is None:  # every rank must join every all-reduce
-            param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG
-        param.grad.div_(world_size)
-
-
 def _check_full_tensors(state_dict: Mapping[str, Any], what: str) -> None:
     for key, value in state_dict.items():
         if isinstance(value, DTensor):
@@ -658,6 +632,17 @@ def export_full_vocab_state_dict(
     return full
 
 
+def is_vocab_key(key: str) -> bool:
+    """
+    Args:
+        key (str): a torchtune state-dict key of an unpruned model.
+
+    Returns:
+        bool: whether vocab pruning replaces it (``tok_embeddings.weight`` and ``output.*``).
+    """
+    return key == "tok_embeddings.weight" or key.startswith("output.")
+
+
 def vocab_state_dict(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
     """The entries of a full-vocabulary torchtune state dict that :func:`export_full_vocab_state_dict` reads.
 
@@ -670,7 +655,7 @@ def vocab_state_dict(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
     Returns:
         Dict[str, Any]: its ``tok_embeddings.weight`` and ``output.*`` entries (the same tensors, not copies).
     """
-    return {k: v for k, v in state_dict.items() if k == "tok_embeddings.weight" or k.startswith("output.")}
+    return {k: v for k, v in state_dict.items() if is_vocab_key(k)}
 
 
 def collect_token_ids(

@@ -1,10 +1,60 @@
-"""Training utilities: state dicts of sharded, quantized, mixed-precision models."""
+"""Training: the QLoRA recipe both recipes run (setup, loop, checkpoints, resume, summary), compute dtypes and fp16
+loss scaling, memory and throughput metrics, and the config settings the recipes read."""
 
-from torchtune_ext.training._state_dict import get_full_state_dict, get_model_state_dict
-from torchtune_ext.training._state_dict_load import load_full_state_dict
+from torchtune_ext._dtype import DTYPES, is_bf16_supported, parse_dtype
+from torchtune_ext.training._metrics import (
+    Throughput,
+    format_memory_stats,
+    gather_memory_stats,
+    memory_stats,
+    peak_rss_bytes,
+    rss_bytes,
+)
+from torchtune_ext.training._precision import (
+    DistributedLossScaler,
+    LossScaler,
+    check_param_dtypes,
+    default_adapter_dtype,
+)
+from torchtune_ext.training._recipe import QLoRARecipe
+from torchtune_ext.training._settings import (
+    VOCAB_PRUNING_KEYS,
+    LoRASettings,
+    build_dataset,
+    build_qlora_model,
+    build_tokenizer,
+    parse_vocab_pruning,
+    positive_int,
+    resolve_kept_ids,
+    rng_state,
+    set_rng_state,
+    shifted_labels,
+)
 
 __all__ = [
-    "get_full_state_dict",
-    "get_model_state_dict",
-    "load_full_state_dict",
+    "DTYPES",
+    "DistributedLossScaler",
+    "LoRASettings",
+    "LossScaler",
+    "QLoRARecipe",
+    "Throughput",
+    "VOCAB_PRUNING_KEYS",
+    "build_dataset",
+    "build_qlora_model",
+    "build_tokenizer",
+    "check_param_dtypes",
+    "default_adapter_dtype",
+    "format_memory_stats",
+    "gather_memory_stats",
+    "is_bf16_supported",
+    "memory_stats",
+    "parse_dtype",
+    "parse_vocab_pruning",
+    "peak_rss_bytes",
+    "positive_int",
+    "resolve_kept_ids",
+    "rng_state",
+    "rss_bytes",
+    "set_rng_state",
+    "shifted_labels",
 ]

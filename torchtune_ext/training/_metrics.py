@@ -9,6 +9,9 @@ from typing import Dict
 
 import psutil
 import torch
+import torch.distributed as dist
+
+from torchtune_ext.distributed._utils import group_device
 
 _GIB = 1024**3
 
@@ -92,3 +95,27 @@ class Throughput:
             float: tokens / seconds since the last reset.
         """
         return self.tokens / max(time.perf_counter() - self._start, 1e-9)
+
+
+def gather_memory_stats(device: torch.device, reset_peaks: bool = False) -> Dict[str, float]:
+    """Every rank's memory figures (:func:`memory_stats`), on every rank.
+
+    Collective: call it on all ranks.
+
+    Args:
+        device (torch.device): the training device.
+        reset_peaks (bool): reset CUDA peak counters after reading them.
+
+    Returns:
+        Dict[str, float]: ``"<name>/rank<r>"`` -> GiB for every rank ``r``.
+    """
+    stats = memory_stats(device, reset_peaks=reset_peaks)
+    names = sorted(stats)
+    local = torch.tensor([stats[name] for name in names], dtype=torch.float64)
+    if not dist.is_initialized():
+        return {f"{name}/rank0": stats[name] for name in names}
+    gathered = [torch.empty_like(local, device=group_device()) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local.to(group_device()))
+    return {
+        f"{name}/rank{rank}": float(values[i]) for rank, values in enumerate(gathered) for i, name in enumerate(names)
+    }

@@ -7,68 +7,15 @@ backs off, and :class:`LossScaler` counts the skipped steps for the logs.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Union
+from collections import defaultdict
+from typing import Any, Dict, Iterable, Optional
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_ALIASES: Dict[str, str] = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
-
-
-def is_bf16_supported(device: torch.device) -> bool:
-    """Whether ``device`` computes natively in bf16.
-
-    CUDA needs compute capability >= 8.0 (a T4 is 7.5: ``torch.cuda.is_bf16_supported()`` says True there
-    through emulation, which is slow, so emulation does not count); CPUs always can.
-
-    Args:
-        device (torch.device): the training device.
-
-    Returns:
-        bool: True when bf16 is supported.
-    """
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    if device.type == "mps":
-        return torch.backends.mps.is_available()
-    if device.type == "xpu":
-        return torch.xpu.is_available() and torch.xpu.is_bf16_supported()
-    return True
-
-
-def parse_dtype(name: Union[str, torch.dtype, None], device: torch.device, what: str = "dtype") -> torch.dtype:
-    """Turns a recipe's ``dtype`` string into a torch dtype, checking the device supports it.
-
-    Args:
-        name (Union[str, torch.dtype, None]): "fp32", "bf16" or "fp16" (or float32/bfloat16/float16); None: fp32.
-        device (torch.device): the training device.
-        what (str): the config key, used in errors.
-
-    Returns:
-        torch.dtype: the dtype.
-
-    Raises:
-        ValueError: on an unknown dtype.
-        RuntimeError: on bf16 where the device does not support it.
-    """
-    if name is None:
-        return torch.float32
-    if isinstance(name, torch.dtype):
-        dtype = name
-    else:
-        key = _ALIASES.get(str(name).lower(), str(name).lower())
-        if key not in DTYPES:
-            raise ValueError(f"{what}={name!r} is not supported; use {what}=fp32, {what}=bf16 or {what}=fp16.")
-        dtype = DTYPES[key]
-    if dtype not in DTYPES.values():
-        raise ValueError(f"{what}={dtype} is not supported; use {what}=fp32, {what}=bf16 or {what}=fp16.")
-    if dtype == torch.bfloat16 and not is_bf16_supported(device):
-        raise RuntimeError(
-            f"{what}=bf16 was requested but {device} does not support bf16 (e.g. a T4). Use {what}=fp32 (same "
-            f"results, ~20% more memory) or {what}=fp16 (fp16 compute with fp32 adapters and loss scaling)."
-        )
-    return dtype
+from torchtune_ext._dtype import parse_dtype
 
 
 def default_adapter_dtype(dtype: torch.dtype, adapter_dtype: Optional[str] = None) -> torch.dtype:
@@ -85,7 +32,7 @@ def default_adapter_dtype(dtype: torch.dtype, adapter_dtype: Optional[str] = Non
         ValueError: on fp16 adapters with fp16 compute (GradScaler cannot unscale fp16 gradients).
     """
     if adapter_dtype is not None:
-        chosen = parse_dtype(adapter_dtype, torch.device("cpu"), "adapter_dtype")
+        chosen = parse_dtype(adapter_dtype, what="adapter_dtype")
         if chosen == torch.float16:
             raise ValueError("adapter_dtype=fp16 is not supported: use adapter_dtype=fp32 (the default with fp16).")
         return chosen
@@ -106,10 +53,12 @@ class LossScaler:
         growth_interval (int): steps without overflow before the scale doubles. Default: 2000.
     """
 
+    _grad_scaler_class = torch.amp.GradScaler
+
     def __init__(self, enabled: bool, device: torch.device, init_scale: float = 2.0**10, growth_interval: int = 2000):
         self.enabled = enabled
         self.skipped_steps = 0
-        self._scaler = torch.amp.GradScaler(
+        self._scaler = self._grad_scaler_class(
             device.type, init_scale=init_scale, growth_interval=growth_interval, enabled=enabled
         )
 
@@ -169,6 +118,43 @@ class LossScaler:
         if self.enabled and state.get("scaler"):
             self._scaler.load_state_dict(state["scaler"])
         self.skipped_steps = state.get("skipped_steps", 0)
+
+
+class _DistributedGradScaler(ShardedGradScaler):
+    """``ShardedGradScaler`` for FSDP2: unscales DTensor gradients through their local shards.
+
+    torch's per-device foreach unscale cannot take DTensor and plain gradients in one list (a replicated
+    vocab-pruning module next to sharded adapters); unscaling local tensors works for both, and
+    ``ShardedGradScaler.unscale_`` then all-reduces the inf/nan flag so every rank skips the same steps.
+    """
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+        grouped = defaultdict(lambda: defaultdict(list))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    grouped[grad.device][grad.dtype].append(grad)
+        per_device_found_inf: Dict[torch.device, torch.Tensor] = {}
+        for device, per_dtype in grouped.items():
+            flag = per_device_found_inf.setdefault(device, found_inf.to(device))
+            for grads in per_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
+        if not per_device_found_inf:
+            per_device_found_inf[found_inf.device] = found_inf
+        return per_device_found_inf
+
+
+class DistributedLossScaler(LossScaler):
+    """:class:`LossScaler` whose overflow check agrees across ranks: the same arguments, defaults and behaviour (fp16:
+    dynamic scaling, overflowed steps skipped and counted); the inf/nan flag is all-reduced over the default process
+    group before the step decision."""
+
+    _grad_scaler_class = _DistributedGradScaler
 
 
 def check_param_dtypes(named_params: Iterable, dtype: torch.dtype, what: str) -> None:

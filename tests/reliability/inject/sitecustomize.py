@@ -9,7 +9,7 @@ the marker file and sleeps at that point of the checkpoint save of global step `
 - ``adapter``: ``adapter_model.safetensors`` of ``.step_<step>.tmp-*`` holds its header and first tensor.
 - ``commit``: ``.step_<step>.tmp-*`` is complete, just before it is renamed to ``step_<step>``.
 
-The hooks are installed when ``torchtune_ext.training._checkpointing`` is first imported (a post-import hook),
+The hooks are installed when ``torchtune_ext.checkpoint._checkpointer`` is first imported (a post-import hook),
 and wrap ``torch.save``, ``_safetensors.write_tensors`` and ``os.rename``; nothing changes without the variables.
 """
 
@@ -19,7 +19,7 @@ import io
 import os
 import sys
 
-_TARGET = "torchtune_ext.training._checkpointing"
+_TARGET = "torchtune_ext.checkpoint._checkpointer"
 _POINTS = ("recipe_state", "adapter", "commit")
 
 

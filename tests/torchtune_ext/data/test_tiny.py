@@ -7,6 +7,7 @@ import torch
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 from torchtune.models.llama2 import llama2_tokenizer
 
+from torchtune_ext.checkpoint import QLoRAHFCheckpointer
 from torchtune_ext.data import (
     TINY_TOKENIZER_PATH,
     tiny_instruct_dataset,
@@ -16,7 +17,6 @@ from torchtune_ext.data import (
     write_tiny_checkpoint,
 )
 from torchtune_ext.models import TINY_LLAMA_ARGS, qlora_tiny_llama, qlora_tiny_qwen
-from torchtune_ext.training._checkpointing import QLoRAHFCheckpointer
 
 
 def _expected_output(instruction: str) -> str:

@@ -6,16 +6,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import torchtune_ext.modules.low_precision as low_precision
-from torchtune_ext._compat import NF4Tensor, to_nf4
-from torchtune_ext.modules import (
-    FrozenNF4Linear,
-    LinearNF4,
-    LoRALinear,
-    dequantize_nf4,
-    linear_nf4,
-    quantize_nf4,
-    to_nf4_frozen,
-)
+from torchtune_ext.modules import FrozenNF4Linear, LinearNF4, LoRALinear, linear_nf4
+from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4, to_nf4
 
 pytestmark = pytest.mark.stack
 
@@ -46,7 +38,7 @@ def path(request, monkeypatch):
 
 def _nf4_weight(dtype=torch.bfloat16, shape=(OUT_DIM, IN_DIM), seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return to_nf4_frozen((torch.randn(shape, generator=gen) * 0.05).to(dtype))
+    return quantize_nf4((torch.randn(shape, generator=gen) * 0.05).to(dtype))
 
 
 def _input(dtype, seed=1, shape=(3, 5, IN_DIM)):
@@ -281,9 +273,9 @@ def test_quantize_nf4_is_bit_identical_to_torchao(dtype):
         _assert_same_nf4(quantize_nf4(dense), to_nf4(dense), name)
 
 
-def test_to_nf4_frozen_has_no_autograd_history():
+def test_quantize_nf4_has_no_autograd_history():
     dense = torch.randn(OUT_DIM, IN_DIM, requires_grad=True)
-    nf4 = to_nf4_frozen(dense * 2)
+    nf4 = quantize_nf4(dense * 2)
     assert isinstance(nf4, NF4Tensor) and not nf4.requires_grad and nf4.grad_fn is None
     for name in nf4.__tensor_flatten__()[0]:
         inner = getattr(nf4, name)
@@ -292,9 +284,9 @@ def test_to_nf4_frozen_has_no_autograd_history():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_to_nf4_frozen_on_meta_matches_torchao_layout(dtype):
+def test_quantize_nf4_on_meta_matches_torchao_layout(dtype):
     shape = (1024, 512)
-    ours = to_nf4_frozen(torch.empty(shape, dtype=dtype, device="meta"))
+    ours = quantize_nf4(torch.empty(shape, dtype=dtype, device="meta"))
     ref = to_nf4(torch.empty(shape, dtype=dtype, device="meta"))
     assert (ours.shape, ours.stride(), ours.dtype, ours.device) == (ref.shape, ref.stride(), ref.dtype, ref.device)
     assert ours.__tensor_flatten__()[1]["n_blocks"] == ref.__tensor_flatten__()[1]["n_blocks"]
@@ -330,7 +322,7 @@ def test_nf4_incompatible_shape_raises_clear_error():
     with pytest.raises(ValueError, match=r"\(100, 64\)"):
         LoRALinear(64, 100, rank=4, alpha=8, quantize_base=True)
     with pytest.raises(ValueError, match=r"\(16384,\).*2-D"):
-        to_nf4_frozen(torch.zeros(16384))
+        quantize_nf4(torch.zeros(16384))
 
 
 def test_non_float_dtype_raises_clear_error():
@@ -339,6 +331,6 @@ def test_non_float_dtype_raises_clear_error():
     with pytest.raises(ValueError, match=r"adapter_dtype=torch.int8"):
         LoRALinear(IN_DIM, OUT_DIM, rank=4, alpha=8, adapter_dtype=torch.int8)
     with pytest.raises(ValueError, match=r"torch.int64 is not a floating-point dtype"):
-        to_nf4_frozen(torch.zeros(OUT_DIM, IN_DIM, dtype=torch.int64))
+        quantize_nf4(torch.zeros(OUT_DIM, IN_DIM, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"dtype=torch.int32 is not a floating-point dtype"):
         linear_nf4(torch.randn(2, IN_DIM), _nf4_weight(), dtype=torch.int32)

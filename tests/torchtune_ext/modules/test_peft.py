@@ -15,9 +15,9 @@ from torchtune.modules.peft import (
     validate_missing_and_unexpected_for_lora,
 )
 
-from torchtune_ext._compat import NF4Tensor
 from torchtune_ext.models import qlora_tiny_llama
-from torchtune_ext.modules import DoRALinear, LoRALinear, dequantize_nf4
+from torchtune_ext.modules import DoRALinear, LoRALinear
+from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
 
 IN_DIM, OUT_DIM, RANK, ALPHA = 256, 512, 8, 16.0
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)
@@ -141,8 +141,35 @@ def test_torchtune_peft_helpers(use_dora):
         validate_missing_and_unexpected_for_lora(
             lora_attn_modules, apply_to_mlp, False, base.missing_keys + [base_key], [], [], []
         )
-    tokens = torch.randint(0, 512, (2, 9))
-    torch.testing.assert_close(fresh(tokens), model(tokens), rtol=0, atol=0)
+    # state_dict() is dense (torchtune's contract), so the fresh model holds the dense weights re-quantized.
+    for name, param in model.named_parameters():
+        loaded = fresh.get_parameter(name)
+        if isinstance(param, NF4Tensor):
+            assert isinstance(loaded, NF4Tensor), name
+            assert torch.equal(dequantize_nf4(loaded), dequantize_nf4(quantize_nf4(dequantize_nf4(param)))), name
+        else:
+            assert torch.equal(loaded, param), name
+
+
+def test_state_dict_is_dense_in_the_compute_dtype_as_torchtunes():
+    """torchtune's contract for quantize_base=True models: state_dict() gives dense CPU tensors (ours in the compute
+    dtype), so torchtune's get_merged_lora_ckpt works on it; the live NF4 params stay in state_dict(keep_vars=True)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        model = qlora_tiny_llama(["q_proj", "v_proj"], apply_lora_to_mlp=True, dtype=dtype, device="cpu")
+        with torch.no_grad():
+            for name, param in get_adapter_params(model).items():
+                if ".lora_b." in name:
+                    param.normal_(0, 0.1)
+        state = model.state_dict()
+        live = model.state_dict(keep_vars=True)
+        q = "layers.0.attn.q_proj.weight"
+        assert type(state[q]) is torch.Tensor and state[q].dtype == dtype and state[q].device.type == "cpu"
+        assert isinstance(live[q], NF4Tensor) and torch.equal(state[q], dequantize_nf4(live[q]))
+        merged = get_merged_lora_ckpt(dict(state), rank=8, alpha=16)
+        layer = model.layers[0].attn.q_proj
+        expected = dequantize_nf4(layer.weight) + 2.0 * (layer.lora_b.weight @ layer.lora_a.weight)
+        torch.testing.assert_close(merged[q], expected.to(dtype), rtol=0, atol=0 if dtype == torch.float32 else 1e-2)
+        assert not any("lora" in k for k in merged)
 
 
 def test_disable_adapter_gives_the_base_model():

@@ -17,13 +17,10 @@ from torchtune.models.llama3_2 import lora_llama3_2
 from torchtune.models.qwen2 import lora_qwen2
 from torchtune.modules.peft import get_adapter_params, get_merged_lora_ckpt, set_trainable_params
 
-from torchtune_ext._compat import NF4Tensor
 from torchtune_ext.models import TINY_LLAMA_ARGS, TINY_QWEN_ARGS, build_qlora, qlora_tiny_llama, qlora_tiny_qwen
-from torchtune_ext.modules.low_precision import dequantize_nf4
-from torchtune_ext.modules.vocab_pruning import (
+from torchtune_ext.modules import (
     PrunedOutput,
     VocabPruning,
-    all_reduce_replicated_grads_,
     collect_token_ids,
     export_full_vocab_state_dict,
     get_vocab_pruning,
@@ -34,10 +31,16 @@ from torchtune_ext.modules.vocab_pruning import (
     validate_kept_ids,
     vocab_state_dict,
 )
+from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4
 
 VOCAB = 512
 ATTN = ["q_proj", "v_proj"]
 LORA = dict(lora_attn_modules=ATTN, lora_rank=8, lora_alpha=16)
+
+
+def _live(model):
+    """The model's own tensors (NF4 weights as NF4Tensors): ``state_dict()`` is dense, as torchtune's."""
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
 
 
 def _untied_llama(dtype, device="cpu"):
@@ -258,13 +261,14 @@ def _train_one_step(model, kept, lr=0.5):
 )
 def test_export_restores_full_vocab(name, dtype):
     base = _model(name, dtype)
-    base_sd = base.state_dict()  # not cloned: NF4Tensor.clone() re-quantizes (lossy)
+    # The live tensors (state_dict() is dense, as torchtune's); not cloned: NF4Tensor.clone() re-quantizes (lossy).
+    base_sd = _live(base)
     kept = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[:64]
     model = _copy(base)
     pruning = prune_vocab_(model, kept)
     tokens = _train_one_step(model, kept)
 
-    full_sd = export_full_vocab_state_dict(model.state_dict(), vocab_state_dict(base_sd), pruning.kept_ids)
+    full_sd = export_full_vocab_state_dict(_live(model), vocab_state_dict(base_sd), pruning.kept_ids)
     assert full_sd.keys() == base_sd.keys()
     others = torch.ones(VOCAB, dtype=torch.bool)
     others[kept] = False
@@ -293,7 +297,8 @@ def test_export_restores_full_vocab(name, dtype):
 
 def test_export_of_merged_lora_output():
     base = _model("qwen_lora_output", torch.float32)
-    base_sd = base.state_dict()  # not cloned: NF4Tensor.clone() re-quantizes (lossy)
+    # The live tensors (state_dict() is dense, as torchtune's); not cloned: NF4Tensor.clone() re-quantizes (lossy).
+    base_sd = _live(base)
     kept = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(6))[:64]
     model = _copy(base)
     pruning = prune_vocab_(model, kept)
@@ -330,7 +335,7 @@ def test_meta_model_loads_pruned_base_checkpoint(name):
     meta = BUILDERS[name](torch.float32, device="meta")
     pruning = prune_vocab_(meta, kept)
     assert pruning.weight.is_meta and pruning.weight.shape == (80, 256)
-    pruned_sd = prune_state_dict(full.state_dict(), kept)
+    pruned_sd = prune_state_dict(_live(full), kept)
     assert pruned_sd.keys() == meta.state_dict().keys()
     materialize_(meta, "cpu", seed=123)
     meta.load_state_dict(pruned_sd, strict=True)
@@ -472,22 +477,18 @@ def test_pruned_output_is_not_a_module():
 
 
 def _fsdp_worker(rank: int, world_size: int) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    from torchtune_ext.distributed import all_reduce_grads, shard_model
+
     kept = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(8))[:200]
     reference, sharded, replicated = [qlora_tiny_llama(ATTN, dtype=torch.bfloat16, device="cpu") for _ in range(3)]
     for model in (reference, sharded, replicated):  # same seed: same weights
         prune_vocab_(model, kept)
         set_trainable_params(model, get_adapter_params(model))
-    for model in (sharded, replicated):
-        for layer in model.layers:
-            fully_shard(layer, mp_policy=bf16)
-    fully_shard(sharded.tok_embeddings, mp_policy=fp32)
-    fully_shard(sharded, mp_policy=bf16)
-    fully_shard(replicated, mp_policy=bf16, ignored_params=set(replicated.tok_embeddings.parameters()))
+    # Layers in bf16; the pruning module sharded on its own in fp32, or replicated (left out of FSDP).
+    for model, mode in ((sharded, "sharded"), (replicated, "replicated")):
+        shard_model(model, dtype=torch.bfloat16, vocab_pruning=model.tok_embeddings, vocab_pruning_sharding=mode)
     assert isinstance(sharded.tok_embeddings.weight, DTensor) and sharded.tok_embeddings.weight.dtype == torch.float32
     assert not isinstance(replicated.tok_embeddings.weight, DTensor)
 
@@ -503,18 +504,21 @@ def _fsdp_worker(rank: int, world_size: int) -> None:
         global_loss = loss.detach().clone()
         torch.distributed.all_reduce(global_loss)
         torch.testing.assert_close(global_loss / world_size, ref_loss.detach(), atol=2e-3, rtol=2e-3)
-    all_reduce_replicated_grads_(replicated.tok_embeddings)
+    all_reduce_grads(list(replicated.tok_embeddings.parameters()))
 
     grad = sharded.tok_embeddings.weight.grad
     assert isinstance(grad, DTensor) and grad.dtype == torch.float32
     assert grad.to_local().shape[0] == 200 // world_size
     full_grad = grad.full_tensor()
-    assert (full_grad - ref_grad).norm() <= 2e-2 * ref_grad.norm()
-    # Both modes average the same per-rank fp32 gradients.
+    # shard_model reduces sums (the recipes normalise the loss by the global token count instead): each rank's
+    # loss here is its own mean, so the global mean's gradient is the sum over ranks / world_size.
+    assert (full_grad / world_size - ref_grad).norm() <= 2e-2 * ref_grad.norm()
+    # Both modes sum the same per-rank fp32 gradients.
     torch.testing.assert_close(replicated.tok_embeddings.weight.grad, full_grad, atol=1e-7, rtol=1e-6)
 
     for model in (reference, sharded, replicated):
-        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
+        lr = 1.0 if model is reference else 1.0 / world_size
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr).step()
     assert list(sharded.tok_embeddings.parameters()) == [sharded.tok_embeddings.weight]  # still one tied param
     updated = sharded.tok_embeddings.weight.full_tensor()
     torch.testing.assert_close(updated, reference.tok_embeddings.weight.detach(), atol=2e-3, rtol=0)
@@ -526,5 +530,6 @@ def _fsdp_worker(rank: int, world_size: int) -> None:
 
 @pytest.mark.distributed
 def test_fsdp2_pruning_module_sharded_in_fp32_or_replicated():
-    """Decoder layers sharded in bf16; the pruning module sharded on its own in fp32, or replicated."""
+    """Decoder layers sharded in bf16 (shard_model); the pruning module sharded on its own in fp32, or replicated with
+    its gradients summed by all_reduce_grads: both take the same steps."""
     run_distributed(_fsdp_worker, 2)

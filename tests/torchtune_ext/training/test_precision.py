@@ -1,10 +1,12 @@
 """Compute dtypes: parsing, the bf16 support check, fp32 master adapters and fp16 dynamic loss scaling."""
 
+import inspect
+
 import pytest
 import torch
 
-from torchtune_ext.training import _precision
-from torchtune_ext.training._precision import LossScaler, default_adapter_dtype, parse_dtype
+from torchtune_ext import _dtype
+from torchtune_ext.training import DistributedLossScaler, LossScaler, default_adapter_dtype, parse_dtype
 
 CPU = torch.device("cpu")
 
@@ -17,7 +19,7 @@ CPU = torch.device("cpu")
         ("fp16", torch.float16),
         ("float16", torch.float16),
         ("BF16", torch.bfloat16),
-        (None, torch.float32),
+        (None, None),
     ],
 )
 def test_parse_dtype(name, dtype):
@@ -31,14 +33,23 @@ def test_unknown_dtype_names_the_choices(name):
 
 
 def test_bf16_without_support_suggests_fp32_or_fp16(monkeypatch):
-    monkeypatch.setattr(_precision, "is_bf16_supported", lambda device: False)
+    monkeypatch.setattr(_dtype, "is_bf16_supported", lambda device: False)
     with pytest.raises(RuntimeError, match=r"dtype=fp32.*dtype=fp16"):
         parse_dtype("bf16", torch.device("cuda"))
     assert parse_dtype("fp16", torch.device("cuda")) == torch.float16
 
 
 def test_cpu_supports_bf16():
-    assert _precision.is_bf16_supported(CPU)
+    assert _dtype.is_bf16_supported(CPU)
+
+
+def test_one_initial_loss_scale_on_one_rank_and_many():
+    """The two scalers once had 2**10 and 2**16: N-rank fp16 runs started differently from one device."""
+    single, distributed = (
+        inspect.signature(cls).parameters["init_scale"].default for cls in (LossScaler, DistributedLossScaler)
+    )
+    assert single == distributed == 2.0**10
+    assert LossScaler(True, CPU).get_scale() == DistributedLossScaler(True, CPU).get_scale() == 2.0**10
 
 
 def test_adapter_dtype_is_fp32_master_under_fp16():

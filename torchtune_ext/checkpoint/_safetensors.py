@@ -124,15 +124,39 @@ def iter_tensors(path: PathLike, device: Union[str, torch.device] = "cpu") -> It
     with open(path, "rb") as f:
         header, data_start = _read_header(f, path)
         for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-            if info["dtype"] not in _DTYPES:
-                raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}.")
-            begin, end = info["data_offsets"]
-            buffer = torch.empty(end - begin, dtype=torch.uint8)
-            f.seek(data_start + begin)
-            if end > begin and f.readinto(memoryview(buffer.numpy())) != end - begin:
-                raise ValueError(f"{path} is truncated: tensor {name} ends past the end of the file.")
-            tensor = buffer.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
-            yield name, tensor.to(device)
+            yield name, _read_one(f, path, name, info, data_start).to(device)
+
+
+def read_tensor(path: PathLike, name: str) -> torch.Tensor:
+    """Reads one tensor of a safetensors file (its bytes only).
+
+    Args:
+        path (PathLike): the file.
+        name (str): the tensor's key.
+
+    Returns:
+        torch.Tensor: the tensor, on the CPU.
+
+    Raises:
+        KeyError: if the file has no such tensor.
+        ValueError: on an unsupported dtype or a truncated file.
+    """
+    with open(path, "rb") as f:
+        header, data_start = _read_header(f, path)
+        if name not in header:
+            raise KeyError(f"{path} has no tensor {name!r}.")
+        return _read_one(f, path, name, header[name], data_start)
+
+
+def _read_one(f, path: PathLike, name: str, info: Dict, data_start: int) -> torch.Tensor:
+    if info["dtype"] not in _DTYPES:
+        raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}.")
+    begin, end = info["data_offsets"]
+    buffer = torch.empty(end - begin, dtype=torch.uint8)
+    f.seek(data_start + begin)
+    if end > begin and f.readinto(memoryview(buffer.numpy())) != end - begin:
+        raise ValueError(f"{path} is truncated: tensor {name} ends past the end of the file.")
+    return buffer.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 def _header_bytes(specs: Sequence[TensorSpec], metadata: Dict[str, str]) -> bytes:

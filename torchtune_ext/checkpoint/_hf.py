@@ -218,15 +218,31 @@ def peft_adapter_config(
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def hf_dtype_name(dtype: torch.dtype) -> str:
-    """
+def hf_dtype_fields(dtype: torch.dtype) -> Dict[str, str]:
+    """The ``config.json`` entries that name the weights' dtype, for every transformers release we support.
+
+    transformers 5 writes and reads ``dtype`` first; 4.x wrote ``torch_dtype`` (4.56+ read ``dtype`` too). A config
+    that holds one of them from its base and the other from us loads in the wrong dtype on one release, so both are
+    always written, equal.
+
     Args:
-        dtype (torch.dtype): a float dtype.
+        dtype (torch.dtype): fp32, bf16 or fp16.
 
     Returns:
-        str: its name in HF's ``config.json`` (``torch_dtype``).
+        Dict[str, str]: ``{"dtype": name, "torch_dtype": name}``.
     """
-    return _HF_DTYPE_NAMES[dtype]
+    name = _HF_DTYPE_NAMES[dtype]
+    return {"dtype": name, "torch_dtype": name}
+
+
+def write_json(path: Path, data: Dict[str, Any]) -> None:
+    """Writes ``data`` as indented JSON (the layout HF tools write).
+
+    Args:
+        path (Path): the file.
+        data (Dict[str, Any]): JSON-serialisable data.
+    """
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def llama3_2_hf_config(
@@ -257,7 +273,7 @@ def llama3_2_hf_config(
         scale_factor (float): Llama 3.1 RoPE scaling factor (low 1, high 4, original context 8192: torchtune's).
         norm_eps (float): RMSNorm epsilon.
         tie_word_embeddings (bool): tied input/output embeddings.
-        dtype (torch.dtype): the weights' dtype (``torch_dtype``).
+        dtype (torch.dtype): the weights' dtype (``dtype`` / ``torch_dtype``).
 
     Returns:
         Dict[str, Any]: the config.
@@ -317,7 +333,7 @@ def qwen2_hf_config(
         rope_base (float): RoPE theta.
         norm_eps (float): RMSNorm epsilon.
         tie_word_embeddings (bool): tied input/output embeddings.
-        dtype (torch.dtype): the weights' dtype (``torch_dtype``).
+        dtype (torch.dtype): the weights' dtype (``dtype`` / ``torch_dtype``).
 
     Returns:
         Dict[str, Any]: the config.
@@ -375,7 +391,7 @@ def _decoder_hf_config(
         "eos_token_id": 2,
         "initializer_range": 0.02,
         "use_cache": True,
-        "torch_dtype": hf_dtype_name(dtype),
+        **hf_dtype_fields(dtype),
     }
 
 

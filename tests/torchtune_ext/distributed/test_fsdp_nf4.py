@@ -13,9 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.training import gather_cpu_state_dict
 
-from torchtune_ext._compat import NF4Tensor
 from torchtune_ext.models import materialize_, qlora_tiny_llama
-from torchtune_ext.modules import dequantize_nf4
+from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4
 
 pytestmark = pytest.mark.stack
 

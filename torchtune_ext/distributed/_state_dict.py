@@ -24,9 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor
 
-from torchtune_ext._compat import NF4Tensor
-from torchtune_ext.modules.low_precision import dequantize_nf4
-from torchtune_ext.training._state_dict_utils import (
+from torchtune_ext._dtype import parse_dtype
+from torchtune_ext.distributed._utils import (
     Entry,
     Patterns,
     as_patterns,
@@ -36,14 +35,12 @@ from torchtune_ext.training._state_dict_utils import (
     mesh_device,
     mesh_ranks,
     model_entries,
-    nf4_with_inner,
-    resolve_dtype,
     tie_roots,
     world_info,
 )
+from torchtune_ext.nf4 import NF4_SHARDED_TENSORS, NF4Tensor, dequantize_nf4, nf4_from_inner
 
 DeviceLike = Union[str, torch.device, None]
-_NF4_GATHERED = ("quantized_scalers", "quantization_factor", "quantized_data")
 
 
 @dataclass(frozen=True)
@@ -56,11 +53,13 @@ class _KeyInfo:
     dtype: torch.dtype
     is_adapter: bool
     tie_root: Optional[str]
+    is_nf4: bool
 
 
 @dataclass
 class _Plan:
-    """How one key of the result is produced: by rank ``src`` (on ``mesh`` for a DTensor), in ``dtype``."""
+    """How one key of the result is produced: by rank ``src`` (on ``mesh`` for a DTensor), in ``dtype``, or kept an
+    NF4Tensor (``keep_nf4``)."""
 
     key: str
     src: int
@@ -68,6 +67,7 @@ class _Plan:
     shape: Tuple[int, ...]
     dtype: torch.dtype
     alias_of: Optional[str] = None
+    keep_nf4: bool = False
 
 
 def _local_infos(entries: Dict[str, Entry]) -> Dict[str, _KeyInfo]:
@@ -76,7 +76,16 @@ def _local_infos(entries: Dict[str, Entry]) -> Dict[str, _KeyInfo]:
     for key, entry in entries.items():
         value = entry.value
         mesh = mesh_ranks(value.device_mesh) if isinstance(value, DTensor) else None
-        infos[key] = _KeyInfo(entry.kind, mesh, tuple(value.shape), value.dtype, entry.is_adapter, roots.get(key))
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        infos[key] = _KeyInfo(
+            entry.kind,
+            mesh,
+            tuple(value.shape),
+            value.dtype,
+            entry.is_adapter,
+            roots.get(key),
+            isinstance(local, NF4Tensor),
+        )
     return infos
 
 
@@ -116,6 +125,7 @@ def _make_plans(
     include_keys: List[str],
     ignore_keys: List[str],
     adapter_weights_only: bool,
+    keep_nf4: bool,
 ) -> List[_Plan]:
     """The same plan on every rank, from every rank's entries; raises (on every rank) on bad patterns."""
     reports: Dict[str, Dict[int, _KeyInfo]] = {}
@@ -149,7 +159,8 @@ def _make_plans(
         out_dtype = info.dtype
         if dtype is not None and info.dtype.is_floating_point and not keep_matched.intersection(members[root]):
             out_dtype = dtype
-        plans.append(_Plan(key, src, mesh, info.shape, out_dtype))
+        # A kept NF4 weight travels packed only within its mesh; one that another rank must send goes dense.
+        plans.append(_Plan(key, src, mesh, info.shape, out_dtype, keep_nf4=keep_nf4 and info.is_nf4 and src == dst))
     return plans
 
 
@@ -172,11 +183,12 @@ def _gather_rows(local: torch.Tensor, rows: int, group: dist.ProcessGroup, group
 
 
 def _gather_nf4(value: DTensor, plan: _Plan, device: torch.device, is_src: bool) -> Optional[torch.Tensor]:
-    """All-gathers an NF4 row-sharded DTensor in packed form to the plan's source rank, then dequantizes there."""
+    """All-gathers an NF4 row-sharded DTensor in packed form to the plan's source rank, then dequantizes there
+    (unless the plan keeps it NF4)."""
     local: NF4Tensor = value._local_tensor
     group = value.device_mesh.get_group()
     size, group_dst = dist.get_world_size(group), dist.get_group_rank(group, plan.src)
-    parts = [getattr(local, name).to(device).view(-1, 1) for name in _NF4_GATHERED]
+    parts = [getattr(local, name).to(device).view(-1, 1) for name in NF4_SHARDED_TENSORS]
     parts.append(local.scaler_mean.to(device).view(1, 1))
     gathered = [_gather_rows(part, part.size(0), group, group_dst, is_src) for part in parts]
     for _, work in gathered:
@@ -186,23 +198,23 @@ def _gather_nf4(value: DTensor, plan: _Plan, device: torch.device, is_src: bool)
     inner = [out.view(size, -1) for out, _ in gathered]
     means = inner[3].view(-1)
     if bool((means == means[0]).all()):
-        full = nf4_with_inner(
+        full = nf4_from_inner(
             local,
             value.shape,
-            **dict(zip(_NF4_GATHERED, (t.view(-1) for t in inner[:3]))),
+            **dict(zip(NF4_SHARDED_TENSORS, (t.view(-1) for t in inner[:3]))),
             scaler_mean=means[0],
             nf4=local.nf4.to(device),
         )
-        return dequantize_nf4(full, plan.dtype)
+        return full if plan.keep_nf4 else dequantize_nf4(full, plan.dtype)
     # Shards quantized with different scale means (not by FSDP's split of one NF4Tensor): each on its own.
     rows = value.shape[0] // size
     return torch.cat(
         [
             dequantize_nf4(
-                nf4_with_inner(
+                nf4_from_inner(
                     local,
                     (rows, *value.shape[1:]),
-                    **dict(zip(_NF4_GATHERED, (t[r] for t in inner[:3]))),
+                    **dict(zip(NF4_SHARDED_TENSORS, (t[r] for t in inner[:3]))),
                     scaler_mean=means[r],
                     nf4=local.nf4.to(device),
                 ),
@@ -229,7 +241,7 @@ def _gather_dtensor(value: DTensor, plan: _Plan, device: Optional[torch.device],
         full = value.full_tensor()
         if not is_src:
             return None
-        return dequantize_nf4(full, plan.dtype) if isinstance(full, NF4Tensor) else _cast(full, plan.dtype)
+        return _densified(full, plan)
     if isinstance(local, NF4Tensor):
         return _gather_nf4(value, plan, device, is_src)
     if plan.dtype.itemsize < local.dtype.itemsize:
@@ -249,7 +261,14 @@ def _plain_full(value: torch.Tensor, plan: _Plan, device: Optional[torch.device]
     value = value.detach()
     if device is not None:
         value = value.to(device)
-    return dequantize_nf4(value, plan.dtype) if isinstance(value, NF4Tensor) else _cast(value, plan.dtype)
+    return _densified(value, plan)
+
+
+def _densified(value: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """``value`` in the plan's dtype: NF4 dequantized (unless kept), other floats cast."""
+    if isinstance(value, NF4Tensor):
+        return value if plan.keep_nf4 else dequantize_nf4(value, plan.dtype)
+    return _cast(value, plan.dtype)
 
 
 @torch.no_grad()
@@ -309,6 +328,7 @@ def get_full_state_dict(
     adapter_weights_only: bool = False,
     cpu_offload: bool = True,
     unwrap: bool = True,
+    keep_nf4: bool = False,
 ) -> Dict[str, torch.Tensor]:
     """Gathers the full, plain-tensor state dict of a sharded, quantized, mixed-precision model on rank 0.
 
@@ -335,9 +355,13 @@ def get_full_state_dict(
         cpu_offload (bool): move the result to the CPU. Default: True.
         unwrap (bool): strip ``_orig_mod.`` (torch.compile), ``_checkpoint_wrapped_module.`` (activation
             checkpointing) and ``module.`` (DDP) from the keys. Default: True.
+        keep_nf4 (bool): return NF4 weights as whole NF4Tensors (gathered packed, never dequantized; 4 bits a value)
+            instead of dense tensors; ``dtype`` does not apply to them. An NF4 weight that the receiving rank does
+            not hold in its mesh, or whose shards were quantized separately, still comes dense. Default: False.
 
     Returns:
-        Dict[str, torch.Tensor]: the full state dict (plain tensors) on the receiving rank, ``{}`` on the others.
+        Dict[str, torch.Tensor]: the full state dict (plain tensors, and NF4Tensors with ``keep_nf4``) on the
+        receiving rank, ``{}`` on the others.
 
     Raises:
         ValueError: if both ``include_keys`` and ``ignore_keys`` are given, a pattern matches no key (the error
@@ -352,7 +376,7 @@ def get_full_state_dict(
         >>> if dist.get_rank() == 0:
         ...     torch.save(sd, "model.pt")
     """
-    dtype = resolve_dtype(dtype)
+    dtype = parse_dtype(dtype)
     include, ignore = as_patterns(include_keys, "include_keys"), as_patterns(ignore_keys, "ignore_keys")
     keep = as_patterns(keep_dtype, "keep_dtype")
     if include and ignore:
@@ -367,7 +391,9 @@ def get_full_state_dict(
     else:
         everyone = [local]
     dst = _destination([want for want, _ in everyone])
-    plans = _make_plans([infos for _, infos in everyone], dst, dtype, keep, include, ignore, adapter_weights_only)
+    plans = _make_plans(
+        [infos for _, infos in everyone], dst, dtype, keep, include, ignore, adapter_weights_only, keep_nf4
+    )
     result = _execute(plans, entries, rank, dst, device, cpu_offload)
     return result if rank == dst else {}
 
@@ -418,14 +444,15 @@ def get_model_state_dict(
         ignore_keys (Patterns): fnmatch globs of keys to skip. Exclusive with ``include_keys``.
         cpu_offload (Optional[bool]): move tensors to the CPU. None: True for a full dict, False for a sharded one.
         unwrap (bool): strip wrapper prefixes from the keys (see :func:`get_full_state_dict`). Default: True.
-        keep_nf4 (bool): sharded only: keep NF4 shards packed (NF4Tensor locals) instead of dequantizing them.
+        keep_nf4 (bool): keep NF4 weights packed (NF4Tensor shards, or whole NF4Tensors in a full state dict, see
+            :func:`get_full_state_dict`) instead of dequantizing them.
 
     Returns:
         Dict[str, torch.Tensor]: the state dict (full: on rank 0 only).
 
     Raises:
-        ValueError: on both ``include_keys`` and ``ignore_keys``, a pattern that matches nothing, a non-float
-            ``precision``, or ``keep_nf4`` with a full state dict.
+        ValueError: on both ``include_keys`` and ``ignore_keys``, a pattern that matches nothing, or a non-float
+            ``precision``.
 
     Example:
         >>> shards = get_model_state_dict(model, sharded_state_dict=True, precision="bf16")
@@ -433,8 +460,6 @@ def get_model_state_dict(
         >>> full = get_model_state_dict(model, precision=torch.float32, ignore_keys="*.lora_*")
     """
     if not sharded_state_dict:
-        if keep_nf4:
-            raise ValueError("keep_nf4=True needs sharded_state_dict=True; a full state dict holds plain tensors.")
         return get_full_state_dict(
             model,
             dtype=precision,
@@ -442,8 +467,9 @@ def get_model_state_dict(
             ignore_keys=ignore_keys,
             cpu_offload=True if cpu_offload is None else cpu_offload,
             unwrap=unwrap,
+            keep_nf4=keep_nf4,
         )
-    precision = resolve_dtype(precision, "precision")
+    precision = parse_dtype(precision, what="precision")
     include, ignore = as_patterns(include_keys, "include_keys"), as_patterns(ignore_keys, "ignore_keys")
     if include and ignore:
         raise ValueError("include_keys and ignore_keys are mutually exclusive; pass one of them.")

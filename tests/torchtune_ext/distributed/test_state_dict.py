@@ -26,10 +26,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from torchtune_ext._compat import NF4Tensor, to_nf4
+from torchtune_ext.distributed import get_full_state_dict, get_model_state_dict, load_full_state_dict
 from torchtune_ext.models import qlora_tiny_llama, qlora_tiny_qwen
-from torchtune_ext.modules.low_precision import FrozenNF4Linear, dequantize_nf4
-from torchtune_ext.training import get_full_state_dict, get_model_state_dict, load_full_state_dict
+from torchtune_ext.modules import FrozenNF4Linear
+from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4, to_nf4
 
 ATTN = ["q_proj", "v_proj"]
 
@@ -212,8 +212,12 @@ def case_sharded_mode(rank, world_size):
     full = get_model_state_dict(model, precision=torch.float32)
     if rank == 0:
         _assert_same(full, {k: v.float() for k, v in reference.items()})
-    with pytest.raises(ValueError, match="keep_nf4=True needs sharded_state_dict=True"):
-        get_model_state_dict(model, keep_nf4=True)
+    # A full state dict keeps NF4 weights whole and packed: the gathered shards are the whole tensor's NF4.
+    packed_full = get_model_state_dict(model, keep_nf4=True, include_keys="layers.0.mlp.*")
+    if rank == 0:
+        w1 = packed_full["layers.0.mlp.w1.weight"]
+        assert isinstance(w1, NF4Tensor) and w1.device.type == "cpu"
+        assert torch.equal(dequantize_nf4(w1, torch.float32), reference["layers.0.mlp.w1.weight"].float())
 
 
 def case_load_equals_torchtune_and_round_trips(rank, world_size):
@@ -511,7 +515,7 @@ def test_no_process_group_gather_and_load():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_shard_quantization_equals_torchao(dtype):
-    from torchtune_ext.training._state_dict_utils import nf4_scaler_mean, quantize_nf4
+    from torchtune_ext.nf4 import nf4_scaler_mean, quantize_nf4
 
     gen = torch.Generator().manual_seed(0)
     full = torch.randn(512, 256, generator=gen, dtype=torch.float32) * 3
@@ -520,11 +524,12 @@ def test_shard_quantization_equals_torchao(dtype):
     whole = to_nf4(full.to(dtype))
     mean = nf4_scaler_mean(full, dtype, whole.block_size)
     for index, shard in enumerate(torch.split(whole, 256)):  # torchao's own row split of the whole quantization
-        ours = quantize_nf4(full[index * 256 : (index + 1) * 256], whole, mean)
+        piece = full[index * 256 : (index + 1) * 256].to(dtype)
+        ours = quantize_nf4(piece, whole.block_size, whole.scaler_block_size, scaler_mean=mean)
         for name in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"):
             expected, got = getattr(shard, name), getattr(ours, name)
             assert got.dtype == expected.dtype and torch.equal(got, expected), name
-    alone = quantize_nf4(full, whole)
+    alone = quantize_nf4(full.to(dtype))
     assert torch.equal(dequantize_nf4(alone), dequantize_nf4(whole))
 
 
@@ -532,9 +537,9 @@ def test_bad_arguments_fail_before_any_work():
     model = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="mutually exclusive"):
         get_full_state_dict(model, include_keys="weight", ignore_keys="bias")
-    with pytest.raises(ValueError, match="not a floating-point dtype"):
+    with pytest.raises(ValueError, match="dtype=torch.int8 is not supported; use dtype=fp32"):
         get_full_state_dict(model, dtype=torch.int8)
-    with pytest.raises(ValueError, match="is not a dtype name"):
+    with pytest.raises(ValueError, match="precision='fp8' is not supported"):
         get_model_state_dict(model, sharded_state_dict=True, precision="fp8")
     with pytest.raises(TypeError, match="glob string or a list of glob strings"):
         get_full_state_dict(model, include_keys=[1])

@@ -1,6 +1,7 @@
-"""Pieces the single-device and distributed QLoRA recipes share: config parsing, model/data building, vocab
-pruning setup, the loss step and the end-of-run summary."""
+"""Reading a QLoRA recipe's config: positive counts, LoRA settings (for the PEFT adapter config), the model (built on
+the meta device), data sets, vocab-pruning settings and kept ids; and the RNG state a resume restores."""
 
+import inspect
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,18 +10,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig
-from safetensors import safe_open
 from torch import nn
 from torch.utils.data import Dataset
 from torchtune import config
+from torchtune.config._utils import _get_component_from_path
 from torchtune.datasets import ConcatDataset
 from torchtune.modules.peft import get_lora_module_names
 
+from torchtune_ext._dtype import parse_dtype
+from torchtune_ext.distributed import VOCAB_PRUNING_SHARDING
 from torchtune_ext.modules.vocab_pruning import VocabPruning, collect_token_ids, load_kept_ids, validate_kept_ids
-from torchtune_ext.training import _safetensors
-from torchtune_ext.training._distributed import VOCAB_PRUNING_SHARDING
-from torchtune_ext.training._hf import HFConverter
-from torchtune_ext.training._precision import parse_dtype
 
 
 def rng_state(device: torch.device) -> Dict[str, Any]:
@@ -175,35 +174,84 @@ def build_qlora_model(cfg_model: DictConfig, dtype: torch.dtype, adapter_dtype: 
         ) from err
 
 
-def build_dataset(cfg_dataset: Any, tokenizer: Any) -> Dataset:
+#: tokenizer arguments of torchtune's tokenizer builders that name files.
+_TOKENIZER_FILE_KEYS = ("path", "merges_file", "vocab_file", "special_tokens_path", "tokenizer_json_path")
+#: where network / hub failures come from (a data set that cannot be reached offline).
+_NETWORK_ERROR_MODULES = ("requests", "httpx", "urllib3", "huggingface_hub", "datasets")
+
+
+def build_tokenizer(cfg_tokenizer: DictConfig) -> Any:
+    """Builds the tokenizer, first checking the files it names.
+
+    Args:
+        cfg_tokenizer (DictConfig): the ``tokenizer`` section.
+
+    Returns:
+        Any: the tokenizer.
+
+    Raises:
+        FileNotFoundError: naming the config key of a missing tokenizer file and the fix.
+    """
+    for key in _TOKENIZER_FILE_KEYS:
+        value = cfg_tokenizer.get(key, None)
+        if isinstance(value, str) and not Path(value).is_file():
+            raise FileNotFoundError(
+                f"tokenizer.{key}={value!r} does not exist. The tokenizer files ship with the model: download it "
+                f"(the config's header has the `tune download` line) and set tokenizer.{key} to the file in the "
+                f"model's folder (e.g. tokenizer.{key}=<checkpoint_dir>/{Path(value).name})."
+            )
+    return config.instantiate(cfg_tokenizer)
+
+
+def _network_failure(error: BaseException) -> bool:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        module = type(error).__module__.split(".")[0]
+        if isinstance(error, (ConnectionError, TimeoutError)) or module in _NETWORK_ERROR_MODULES:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _default_source(component: str) -> str:
+    """The ``source`` a data set builder uses when the config gives none (e.g. alpaca_dataset's tatsu-lab/alpaca)."""
+    parameter = inspect.signature(_get_component_from_path(component)).parameters.get("source")
+    return parameter.default if parameter is not None and isinstance(parameter.default, str) else component
+
+
+def build_dataset(cfg_dataset: Any, tokenizer: Any, what: str = "dataset") -> Dataset:
     """
     Args:
         cfg_dataset (Any): a ``dataset`` section, or a list of them (concatenated).
         tokenizer (Any): the tokenizer.
+        what (str): the section's config key, for errors.
 
     Returns:
         Dataset: the data set.
+
+    Raises:
+        RuntimeError: if the data set cannot be downloaded (offline, unknown repository), naming the key and the
+            local-file alternative.
     """
     if isinstance(cfg_dataset, ListConfig):
-        return ConcatDataset(datasets=[config.instantiate(c, tokenizer) for c in cfg_dataset])
-    return config.instantiate(cfg_dataset, tokenizer)
+        return ConcatDataset(datasets=[build_dataset(c, tokenizer, what) for c in cfg_dataset])
+    try:
+        return config.instantiate(cfg_dataset, tokenizer)
+    except Exception as err:
+        if not _network_failure(err):
+            raise
+        source = cfg_dataset.get("source", _default_source(cfg_dataset.get("_component_")))
+        raise RuntimeError(
+            f"{what}: the data set {source!r} could not be loaded from the Hugging Face Hub and is not in the local "
+            f"cache ({type(err).__name__}: {str(err)[:300]}). Offline, train on a local file instead, e.g. "
+            f"{what}.source=json {what}.data_files=/path/to/data.json (with the column names the "
+            f"{what}._component_ expects), or download the data set once while online."
+        ) from err
 
 
 #: keys of ``vocab_pruning:`` in a recipe config.
 VOCAB_PRUNING_KEYS = ("enabled", "kept_ids", "dtype", "sharding", "unknown_token_id", "trainable")
-#: torchtune state-dict keys of the base model that vocab pruning replaces (a key and a prefix).
-_VOCAB_KEYS = ("tok_embeddings.weight", "output.")
-
-
-def is_vocab_key(key: str) -> bool:
-    """
-    Args:
-        key (str): a torchtune state-dict key.
-
-    Returns:
-        bool: whether vocab pruning replaces it (``tok_embeddings.weight``, ``output.*``).
-    """
-    return key == _VOCAB_KEYS[0] or key.startswith(_VOCAB_KEYS[1])
 
 
 def parse_vocab_pruning(section: Optional[DictConfig]) -> Optional[Dict[str, Any]]:
@@ -233,7 +281,7 @@ def parse_vocab_pruning(section: Optional[DictConfig]) -> Optional[Dict[str, Any
         )
     return {
         "kept_ids": section.get("kept_ids", None),
-        "dtype": parse_dtype(section.get("dtype", "fp32"), torch.device("cpu"), "vocab_pruning.dtype"),
+        "dtype": parse_dtype(section.get("dtype", "fp32"), what="vocab_pruning.dtype"),
         "sharding": sharding,
         "unknown_token_id": section.get("unknown_token_id", None),
         "trainable": bool(section.get("trainable", True)),
@@ -266,29 +314,3 @@ def resolve_kept_ids(
         ids = collect_token_ids(data, always_keep=special, vocab_size=vocab_size)
     validate_kept_ids(ids, vocab_size)
     return list(ids)
-
-
-def read_base_vocab_state(checkpoint_paths: Sequence[Path], converter: HFConverter) -> Dict[str, torch.Tensor]:
-    """The base checkpoint's full-vocabulary embedding/output tensors (torchtune keys), to export a vocab-pruned
-    model into (``export_full_vocab_state_dict``); reads only those tensors.
-
-    Args:
-        checkpoint_paths (Sequence[Path]): the base's safetensors files.
-        converter (HFConverter): the HF -> torchtune key converter of the unpruned model.
-
-    Returns:
-        Dict[str, torch.Tensor]: ``tok_embeddings.weight`` and ``output.*`` (untied).
-    """
-    vocab = {}
-    for path in checkpoint_paths:
-        wanted = []
-        for hf_key, info in _safetensors.read_header(path).items():
-            converted = converter.to_tune(hf_key, torch.empty(info["shape"], device="meta"))
-            if converted is not None and is_vocab_key(converted[0]):
-                wanted.append(hf_key)
-        if wanted:
-            with safe_open(path, framework="pt") as f:
-                for hf_key in wanted:
-                    key, tensor = converter.to_tune(hf_key, f.get_tensor(hf_key))
-                    vocab[key] = tensor
-    return vocab

@@ -1,6 +1,7 @@
 """Streaming HF checkpoints: safetensors I/O, loading into NF4 vs torchtune's loader, PEFT/merged export, atomicity."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -9,20 +10,29 @@ from torchtune import training
 from torchtune.models import convert_weights
 from torchtune.training import FullModelHFCheckpointer
 
-from torchtune_ext._compat import to_nf4
-from torchtune_ext.data import write_tiny_checkpoint
-from torchtune_ext.models import lora_tiny_llama, lora_tiny_qwen, qlora_tiny_llama, qlora_tiny_qwen
-from torchtune_ext.training import _safetensors
-from torchtune_ext.training._checkpointing import (
+from torchtune_ext.checkpoint import (
+    HFConverter,
     QLoRAHFCheckpointer,
+    _safetensors,
     atomic_directory,
     atomic_save,
-    check_materialized,
-    materialize_adapters_,
+    llama3_2_hf_config,
+    load_base_,
     remove_stale_temporaries,
     resolve_checkpoint_files,
+    write_random_hf_checkpoint,
 )
-from torchtune_ext.training._hf import HFConverter
+from torchtune_ext.data import write_tiny_checkpoint
+from torchtune_ext.distributed import get_full_state_dict
+from torchtune_ext.models import (
+    TINY_LLAMA_ARGS,
+    init_adapters_,
+    lora_tiny_llama,
+    lora_tiny_qwen,
+    qlora_tiny_llama,
+    qlora_tiny_qwen,
+)
+from torchtune_ext.nf4 import to_nf4
 
 # All attention projections get LoRA: torchtune's qwen2 builder leaves a non-LoRA output_proj dense even with
 # quantize_base=True (ours quantizes every linear in the layers), so only this choice compares like with like.
@@ -49,10 +59,11 @@ def _loaded(family, base, tmp_path, dtype=torch.float32, **lora):
     builder, _, model_type = FAMILIES[family]
     model = builder(**{**LORA, **lora}, dtype=dtype)
     checkpointer = QLoRAHFCheckpointer(str(base), str(tmp_path / "out"), model_type)
-    checkpointer.load_base(model, torch.device("cpu"))
+    checkpointer.validate(model)
+    load_base_(model, checkpointer, torch.device("cpu"))
     torch.manual_seed(0)
-    materialize_adapters_(model, torch.device("cpu"))
-    check_materialized(model)
+    init_adapters_(model, torch.device("cpu"))
+    training.validate_no_params_on_meta_device(model)
     return model, checkpointer
 
 
@@ -151,10 +162,6 @@ def test_bf16_checkpoint_into_fp32_model_quantizes_in_fp32(bases, tmp_path):
 def test_sharded_checkpoint_is_found_through_its_index(tmp_path):
     with training.set_default_dtype(torch.float32), torch.device("meta"):
         meta = lora_tiny_llama(lora_attn_modules=["q_proj"])
-    from torchtune_ext.models import TINY_LLAMA_ARGS
-    from torchtune_ext.training._checkpointing import write_random_hf_checkpoint
-    from torchtune_ext.training._hf import llama3_2_hf_config
-
     base = write_random_hf_checkpoint(
         tmp_path / "sharded",
         meta,
@@ -258,7 +265,8 @@ def test_save_writes_peft_adapter_and_merged_model(bases, tmp_path, family):
         use_dora=False,
     )
     checkpointer.max_shard_bytes = 2 * 1024**2  # several shards
-    step_dir = checkpointer.save(model, step=7, adapter_config=adapter_config, save_merged=True, dtype=torch.bfloat16)
+    state = get_full_state_dict(model, keep_nf4=True, cpu_offload=False)
+    step_dir = checkpointer.save(state, step=7, adapter_config=adapter_config, save_merged=True, dtype=torch.bfloat16)
     assert step_dir == tmp_path / "out" / "step_7"
     assert sorted(p.name for p in (step_dir / "adapter").iterdir()) == [
         "adapter_config.json",
@@ -276,7 +284,8 @@ def test_save_writes_peft_adapter_and_merged_model(bases, tmp_path, family):
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj"]
     )
     assert config["base_model_name_or_path"] == str(base.resolve())
-    assert json.loads((step_dir / "merged" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    merged_config = json.loads((step_dir / "merged" / "config.json").read_text())
+    assert merged_config["torch_dtype"] == merged_config["dtype"] == "bfloat16"
 
     index = json.loads((step_dir / "merged" / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
@@ -303,6 +312,65 @@ def test_save_writes_peft_adapter_and_merged_model(bases, tmp_path, family):
             if f"{prefix}.lora_A.weight" in peft:
                 reference = reference + 2.0 * peft[f"{prefix}.lora_B.weight"] @ peft[f"{prefix}.lora_A.weight"]
         torch.testing.assert_close(value, reference.to(torch.bfloat16), rtol=0, atol=0, msg=hf_key)
+
+
+def _trained(family, base, tmp_path):
+    model, checkpointer = _loaded(family, base, tmp_path)
+    for name, param in model.named_parameters():
+        if "lora_b" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    adapter_config = dict(
+        target_modules=["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"],
+        rank=8,
+        alpha=16,
+        dropout=0.0,
+        use_dora=False,
+    )
+    return model, checkpointer, adapter_config
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen"])
+def test_merge_base_original_merges_onto_the_checkpoints_own_weights(bases, tmp_path, family):
+    """merge_base="original": every merged tensor is the checkpoint's own (unquantized) tensor + scale * B @ A."""
+    base = bases[(family, "fp32")]
+    model, checkpointer, adapter_config = _trained(family, base, tmp_path)
+    state = get_full_state_dict(model, keep_nf4=True, cpu_offload=False)
+    nf4_dir = checkpointer.save(state, 1, adapter_config, save_merged=True, dtype=torch.float32)
+    original_dir = checkpointer.save(state, 2, adapter_config, True, torch.float32, merge_base="original")
+    merged = {k: v for p in (original_dir / "merged").glob("*.safetensors") for k, v in load_file(p).items()}
+    merged_nf4 = {k: v for p in (nf4_dir / "merged").glob("*.safetensors") for k, v in load_file(p).items()}
+    peft = load_file(original_dir / "adapter" / "adapter_model.safetensors")
+    hf_base = load_file(base / "model.safetensors")
+    assert merged.keys() == hf_base.keys()
+    quantized = 0
+    for hf_key, value in merged.items():
+        reference = hf_base[hf_key]
+        prefix = "base_model.model." + hf_key[: -len(".weight")]
+        if f"{prefix}.lora_A.weight" in peft:
+            reference = reference + 2.0 * peft[f"{prefix}.lora_B.weight"] @ peft[f"{prefix}.lora_A.weight"]
+        torch.testing.assert_close(value, reference, rtol=1e-6, atol=1e-6, msg=hf_key)
+        quantized += not torch.equal(value, merged_nf4[hf_key])
+    # Only the NF4 weights differ between the two merges (the norms and the embedding are the checkpoint's in both).
+    assert quantized == sum(k.endswith("proj.weight") for k in merged)
+    with pytest.raises(ValueError, match="merge_base='fp8'"):
+        checkpointer.save(state, 3, adapter_config, True, torch.float32, merge_base="fp8")
+
+
+def test_merged_config_names_one_dtype_whatever_the_bases_transformers(bases, tmp_path):
+    """A base written by transformers 5 has only ``dtype``; 4.x wrote only ``torch_dtype``: the merged config.json
+    holds both, equal to the merged weights' dtype, never the base's."""
+    base = tmp_path / "base_tf5"
+    shutil.copytree(bases[("llama", "bf16")], base)
+    config = json.loads((base / "config.json").read_text())
+    config.pop("torch_dtype")
+    (base / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    model, checkpointer, adapter_config = _trained("llama", base, tmp_path)
+    state = get_full_state_dict(model, keep_nf4=True, cpu_offload=False)
+    for step, dtype, name in ((1, torch.float32, "float32"), (2, torch.float16, "float16")):
+        merged = checkpointer.save(state, step, adapter_config, save_merged=True, dtype=dtype) / "merged"
+        written = json.loads((merged / "config.json").read_text())
+        assert (written["dtype"], written["torch_dtype"]) == (name, name)
+        assert {v.dtype for p in merged.glob("*.safetensors") for v in load_file(p).values()} == {dtype}
 
 
 def test_atomic_directory_leaves_nothing_on_failure_and_replaces_on_success(tmp_path):

@@ -19,22 +19,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import _IncompatibleKeys
 
-from torchtune_ext._compat import NF4Tensor
-from torchtune_ext.modules.low_precision import dequantize_nf4
-from torchtune_ext.training._state_dict_utils import (
+from torchtune_ext.distributed._utils import (
     Entry,
     group_device,
     local_box,
     mesh_device,
     model_entries,
-    nf4_scaler_mean,
-    quantize_nf4,
     tie_roots,
     world_info,
 )
+from torchtune_ext.nf4 import NF4_SHARDED_TENSORS, NF4Tensor, dequantize_nf4, nf4_scaler_mean, quantize_nf4
 
 DeviceLike = Union[str, torch.device, None]
-_NF4_STORED = ("quantized_scalers", "quantization_factor", "quantized_data", "scaler_mean")
 
 
 @dataclass(frozen=True)
@@ -115,14 +111,25 @@ def _sources(entries: Dict[str, Entry], state_dict_keys: List[str]) -> Dict[str,
     return sources
 
 
+def _quantize_like(dense: torch.Tensor, template: NF4Tensor, scaler_mean: Optional[torch.Tensor] = None) -> NF4Tensor:
+    dense = dense.to(template.dtype)
+    return quantize_nf4(dense, template.block_size, template.scaler_block_size, scaler_mean=scaler_mean)
+
+
 def _nf4_shard(full: torch.Tensor, piece: torch.Tensor, template: NF4Tensor, device: torch.device) -> NF4Tensor:
-    mean = nf4_scaler_mean(full, template.dtype, template.block_size)
-    return quantize_nf4(piece.to(device), template, mean)
+    return _quantize_like(piece.to(device), template, nf4_scaler_mean(full, template.dtype, template.block_size))
 
 
 def _write_nf4(target: NF4Tensor, new: NF4Tensor) -> None:
-    for name in _NF4_STORED:
+    """Writes ``new``'s values into the NF4Tensor ``target`` in place (FSDP all-gathers from that object)."""
+    for name in NF4_SHARDED_TENSORS:
         getattr(target, name).copy_(getattr(new, name))
+    # Whole on every rank; `to_empty` of a sharded NF4 parameter leaves them on the meta device: rebind those.
+    for name in ("scaler_mean", "nf4"):
+        if getattr(target, name).is_meta:
+            setattr(target, name, getattr(new, name))
+        else:
+            getattr(target, name).copy_(getattr(new, name))
 
 
 def _new_local(full: torch.Tensor, value: torch.Tensor, device: Optional[torch.device]) -> Optional[torch.Tensor]:
@@ -142,7 +149,7 @@ def _new_local(full: torch.Tensor, value: torch.Tensor, device: Optional[torch.d
         return piece.to(device=device, dtype=local.dtype)
     device = device or (value.device if not value.is_meta else torch.device("cpu"))
     if isinstance(value, NF4Tensor):
-        return quantize_nf4(full.to(device), value)
+        return _quantize_like(full.to(device), value)
     return full.to(device=device, dtype=value.dtype)
 
 

@@ -1,0 +1,91 @@
+"""Random-weight HF checkpoints of any torchtune architecture, written one tensor at a time: the embedded tiny default's
+base model, and real-shaped models for benchmarks (no download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Union
+
+import torch
+from torch import nn
+
+from torchtune_ext.checkpoint import _safetensors
+from torchtune_ext.checkpoint._atomic import atomic_directory
+from torchtune_ext.checkpoint._checkpointer import SAFETENSORS_INDEX, base_keys
+from torchtune_ext.checkpoint._hf import HFConverter, hf_dtype_fields, write_json
+
+PathLike = Union[str, Path]
+_EMBEDDING_KEYS = ("tok_embeddings.weight", "output.weight")
+
+
+@torch.no_grad()
+def write_random_hf_checkpoint(
+    checkpoint_dir: PathLike,
+    model: nn.Module,
+    model_type: str,
+    hf_config: Dict[str, Any],
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    std: float = 0.02,
+    embedding_std: Optional[float] = None,
+    max_shard_size_mb: Optional[int] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> Path:
+    """Writes a random-weight HF checkpoint for a torchtune architecture, one tensor at a time.
+
+    Weights ~ N(0, std) (embeddings: ``embedding_std``), biases ~ N(0, std), norm scales = 1. Used for the tiny
+    default and for memory benchmarks.
+
+    Args:
+        checkpoint_dir (PathLike): output folder (written atomically).
+        model (nn.Module): the architecture, typically built on the meta device (no memory); adapters are ignored.
+        model_type (str): checkpointer model type (decides the HF layout).
+        hf_config (Dict[str, Any]): written as ``config.json``.
+        dtype (torch.dtype): weights' dtype.
+        seed (int): RNG seed.
+        std (float): init standard deviation.
+        embedding_std (Optional[float]): standard deviation of the token embedding (and untied output); None: std.
+        max_shard_size_mb (Optional[int]): None: one ``model.safetensors``; else shards + index.
+        progress (Optional[Callable[[str], None]]): called with each HF key as it is written.
+
+    Returns:
+        Path: ``checkpoint_dir``.
+    """
+    converter = HFConverter.for_model(model_type, model)
+    base = base_keys(model)
+    generator = torch.Generator().manual_seed(seed)
+
+    def make(key: str, shape) -> torch.Tensor:
+        if key.endswith(".scale"):
+            return torch.ones(shape, dtype=dtype)
+        scale = embedding_std if embedding_std is not None and key in _EMBEDDING_KEYS else std
+        return torch.empty(shape, dtype=torch.float32).normal_(0, scale, generator=generator).to(dtype)
+
+    specs = [
+        _safetensors.TensorSpec(converter.to_hf(k, torch.empty(v.shape, device="meta"))[0], v.shape, dtype)
+        for k, v in base.items()
+    ]
+    keys = dict(zip([s.name for s in specs], base))
+    shards = [specs] if max_shard_size_mb is None else _safetensors.plan_shards(specs, max_shard_size_mb * 1024**2)
+    with atomic_directory(checkpoint_dir) as tmp:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = (
+                "model.safetensors"
+                if max_shard_size_mb is None
+                else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            )
+
+            def tensors(shard=shard):
+                for spec in shard:
+                    if progress is not None:
+                        progress(spec.name)
+                    yield converter.to_hf(keys[spec.name], make(keys[spec.name], base[keys[spec.name]].shape))
+
+            _safetensors.write_tensors(tmp / name, shard, tensors())
+            weight_map.update({spec.name: name for spec in shard})
+        if max_shard_size_mb is not None:
+            total = sum(spec.nbytes for spec in specs)
+            write_json(tmp / SAFETENSORS_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_json(tmp / "config.json", {**hf_config, **hf_dtype_fields(dtype)})
+    return Path(checkpoint_dir)

@@ -1,0 +1,32 @@
+"""NF4 tensors: torchao's ``NF4Tensor`` storage, made and read by the project's exact and faster codec.
+
+Everything that creates or decodes an NF4Tensor in torchtune_ext goes through here (the layers in
+``torchtune_ext.modules``, the state-dict tooling in ``torchtune_ext.distributed``, the checkpoint loader).
+"""
+
+from torchtune_ext._compat import NF4Tensor, to_nf4
+from torchtune_ext.nf4._codec import (
+    NF4_BLOCK_SIZE,
+    NF4_SCALER_BLOCK_SIZE,
+    NF4_SHARDED_TENSORS,
+    check_float_dtype,
+    check_nf4_shape,
+    dequantize_nf4,
+    nf4_from_inner,
+    nf4_scaler_mean,
+    quantize_nf4,
+)
+
+__all__ = [
+    "NF4Tensor",
+    "NF4_BLOCK_SIZE",
+    "NF4_SCALER_BLOCK_SIZE",
+    "NF4_SHARDED_TENSORS",
+    "check_float_dtype",
+    "check_nf4_shape",
+    "dequantize_nf4",
+    "nf4_from_inner",
+    "nf4_scaler_mean",
+    "quantize_nf4",
+    "to_nf4",
+]

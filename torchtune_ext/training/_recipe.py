@@ -1,0 +1,800 @@
+"""The QLoRA recipe, whatever the number of ranks: setup, training loop, checkpoints, resume and the end-of-run summary.
+
+``recipes/qlora_finetune_single_device.py`` and ``recipes/qlora_finetune_distributed.py`` subclass
+:class:`QLoRARecipe`: the single-device recipe as it is (one rank, no process group), the distributed one with the
+process group, per-rank batch sizes and FSDP2 sharding (:meth:`QLoRARecipe._parallelize`). Every library call below
+works on one rank and on many, so both recipes run the same code:
+
+setup (:meth:`QLoRARecipe.setup`), in this order; nothing is written before step 4:
+    1. seed; settings and every config check that is cheap (:meth:`_read_settings`, in ``__init__``)
+    2. the model on the meta device, checked against the checkpoint's headers; tokenizer, loss, data sets
+    3. data checks (labels within ``max_seq_len``, enough batches), vocab-pruning ids, the resumed recipe state
+    4. stale temporaries of killed writes removed, metric logger opened
+    5. the model: vocab pruning (meta), trainable params, activation checkpointing, compile, sharding, the base
+       streamed in and quantized (``load_base_``), adapters initialised or resumed (``init_adapters_``)
+    6. optimizer (resumed), loss scaler, data loaders (resumed position), LR schedule
+
+one optimizer step (:meth:`QLoRARecipe.train`): for each of ``gradient_accumulation_steps`` micro-batches, the loss
+(a mean over label tokens) times the micro-batch's label-token count, scaled (fp16) and back-propagated; then the
+gradients are divided by the step's global label-token count (all ranks, all micro-batches), unscaled, clipped, and
+the optimizer steps (unless fp16 overflowed); logs, validation and checkpoints follow at their intervals.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, ListConfig
+from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtune import config, modules, training, utils
+from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune.recipe_interfaces import FTRecipeInterface
+from tqdm import tqdm
+
+from torchtune_ext._dtype import parse_dtype
+from torchtune_ext.checkpoint import MERGE_BASES, QLoRAHFCheckpointer, load_base_
+from torchtune_ext.distributed import (
+    all_reduce_grads,
+    all_reduce_sum,
+    check_dataset_size,
+    clip_grad_norm_,
+    get_full_optimizer_state,
+    get_full_state_dict,
+    load_full_optimizer_state,
+    replicated_params,
+    unwrap_key,
+)
+from torchtune_ext.models import check_adapter_state, init_adapters_
+from torchtune_ext.modules.vocab_pruning import VocabPruning, export_full_vocab_state_dict, prune_vocab_
+from torchtune_ext.training._metrics import Throughput, format_memory_stats, gather_memory_stats, memory_stats
+from torchtune_ext.training._precision import (
+    DistributedLossScaler,
+    LossScaler,
+    check_param_dtypes,
+    default_adapter_dtype,
+)
+from torchtune_ext.training._settings import (
+    LoRASettings,
+    build_dataset,
+    build_qlora_model,
+    build_tokenizer,
+    parse_vocab_pruning,
+    positive_int,
+    resolve_kept_ids,
+    rng_state,
+    set_rng_state,
+    shifted_labels,
+)
+
+log = utils.get_logger("INFO")
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+class QLoRARecipe(FTRecipeInterface):
+    """QLoRA fine-tuning on one rank or many; see the module docstring for the order of setup and the training step.
+
+    Args:
+        cfg (DictConfig): the parsed config.
+
+    Raises:
+        ValueError: on an unknown dtype or invalid settings (every cheap check runs here).
+        RuntimeError: on bf16 where the device does not support it.
+    """
+
+    # ------------------------------------------------------------------------------------- the recipe's attributes
+    world_size: int = 1
+    rank: int = 0
+    # settings (``_read_settings``)
+    _device: torch.device
+    _dtype: torch.dtype  # compute dtype
+    _adapter_dtype: torch.dtype  # LoRA/DoRA params (fp32 masters under fp16)
+    _batch_size: int  # per rank
+    _gradient_accumulation_steps: int
+    _clip_grad_norm: Optional[float]
+    _merge_base: str  # "nf4" | "original"
+    # components (``_build_components``)
+    _checkpointer: QLoRAHFCheckpointer
+    _lora: LoRASettings
+    _model: nn.Module
+    _tokenizer: Any
+    _loss_fn: nn.Module
+    # vocab pruning: settings, kept ids, module
+    _vocab_pruning_cfg: Optional[Dict[str, Any]]
+    _kept_ids: Optional[List[int]]
+    _pruning: Optional[VocabPruning]
+    # training state
+    _adapter_params: Dict[str, nn.Parameter]  # get_adapter_params(model): LoRA/DoRA params and trained pruned rows
+    _adapter_keys: List[str]  # their unwrapped keys, in the same order
+    _trainable_params: List[nn.Parameter]  # the optimizer's params, in that order
+    _replicated_params: List[nn.Parameter]  # trainable params every rank holds whole (all of them on one rank)
+    _optimizer: torch.optim.Optimizer
+    _loss_scaler: LossScaler
+    _lr_scheduler: Any
+    _sampler: StatefulDistributedSampler
+    _dataloader: StatefulDataLoader
+    _val_dataloader: Optional[StatefulDataLoader]
+    seed: int
+    epochs_run: int
+    global_step: int
+    _steps_in_epoch_done: int
+    loss_history: List[float]
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = parse_dtype(cfg.get("dtype", "fp32"), self._device)
+        self._adapter_dtype = default_adapter_dtype(self._dtype, cfg.get("adapter_dtype", None))
+        self._batch_size = positive_int(cfg, "batch_size", 1)
+        self._read_settings(cfg)
+
+    def _read_settings(self, cfg: DictConfig) -> None:
+        """Reads and checks the settings both recipes take.
+
+        Args:
+            cfg (DictConfig): the recipe config.
+
+        Raises:
+            ValueError: on a non-positive count, an unknown ``merge_base``, or ``enable_activation_offloading``.
+        """
+        self._log_every_n_steps = positive_int(cfg, "log_every_n_steps", 1)
+        self._gradient_accumulation_steps = positive_int(cfg, "gradient_accumulation_steps", 1)
+        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self.total_epochs = positive_int(cfg, "epochs", 1)
+        self.max_steps_per_epoch = positive_int(cfg, "max_steps_per_epoch", None)
+        self._stop_after_step = positive_int(cfg, "stop_after_step", None)
+        self._save_every_n_steps = positive_int(cfg, "save_every_n_steps", None)
+        self._run_val_every_n_steps = positive_int(cfg, "run_val_every_n_steps", None)
+        self._max_validation_steps = positive_int(cfg, "max_validation_steps", None)
+        self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
+        self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
+        self._merge_base = cfg.get("merge_base", "nf4")
+        if self._merge_base not in MERGE_BASES:
+            raise ValueError(
+                f"merge_base={self._merge_base!r} is not supported; use merge_base=nf4 (merge onto the NF4 base the "
+                "adapter was trained on: exactly the trained model) or merge_base=original (onto the checkpoint's "
+                "own weights)."
+            )
+        self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
+        self._compile = cfg.get("compile", False)
+        if cfg.get("enable_activation_offloading", False):
+            raise ValueError(
+                "enable_activation_offloading is not supported by this recipe; use "
+                "enable_activation_checkpointing=True to save activation memory."
+            )
+        self._vocab_pruning_cfg = parse_vocab_pruning(cfg.get("vocab_pruning", None))
+        self._pruning = None
+        self._kept_ids = None
+        self._pad_to_multiple: Optional[int] = None
+        self.epochs_run = 0
+        self.global_step = 0
+        self._steps_in_epoch_done = 0
+        self.loss_history = []
+        self._train_tokens = 0.0
+        self._train_seconds = 0.0
+
+    @property
+    def _is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+    def _info(self, message: str) -> None:
+        utils.log_rank_zero(log, message)
+
+    # ---------------------------------------------------------------------------------------------------- setup
+
+    def setup(self, cfg: DictConfig) -> None:
+        """Builds everything in the order of the module docstring; nothing is written under ``output_dir`` before
+        the config, the data and the resumed state have been checked. Collective on several ranks."""
+        self._set_seed(cfg)
+        self._generate_base_checkpoint(cfg)
+        dataset, val_dataset = self._build_components(cfg)
+        self._check_data(dataset, val_dataset, cfg.tokenizer.get("max_seq_len", None))
+        if self._vocab_pruning_cfg is not None:
+            self._resolve_kept_ids(dataset, val_dataset)
+        state = self._checkpointer.load_recipe_state() if self._resume_from_checkpoint else None
+        if state is not None:
+            self._check_recipe_state(state)
+
+        loss_scaler = DistributedLossScaler if self.world_size > 1 else LossScaler
+        self._loss_scaler = loss_scaler(
+            enabled=self._dtype == torch.float16, device=self._device, **cfg.get("loss_scaler", {})
+        )
+
+        # From here on, outputs are written.
+        self._start_writing(cfg)
+
+        self._load_model(state)
+        self._optimizer = config.instantiate(cfg.optimizer, self._trainable_params)
+        self._setup_loss()
+        self._setup_dataloaders(cfg, dataset, val_dataset)
+        self._setup_schedule(cfg, state)
+
+    def _set_seed(self, cfg: DictConfig) -> None:
+        """The config's seed (torchtune's ``set_seed`` agrees on it across ranks), with the same streams on every
+        rank until the model is initialised, so every rank draws the single-device run's initial adapters."""
+        self.seed = training.set_seed(seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None))
+        _seed_everything(self.seed)
+
+    def _generate_base_checkpoint(self, cfg: DictConfig) -> None:
+        """The tiny default writes its random base checkpoint on first use (rank 0; the others wait)."""
+        if cfg.get("generate_base_checkpoint", None) is None:
+            return
+        if self._is_rank_zero:
+            config.instantiate(cfg.generate_base_checkpoint)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _build_components(self, cfg: DictConfig) -> Tuple[Any, Optional[Any]]:
+        """Builds what can be checked before anything is written: the checkpointer (validated against the model,
+        built on the meta device), tokenizer, loss, and the training and validation data sets.
+
+        Returns:
+            Tuple[Any, Optional[Any]]: the training data set and the validation one (None without ``dataset_val``).
+        """
+        self._checkpointer = config.instantiate(cfg.checkpointer)
+        self._lora = LoRASettings.from_config(cfg.model)
+        self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype)
+        self._checkpointer.validate(self._model)
+        self._tokenizer = build_tokenizer(cfg.tokenizer)
+        self._loss_fn = config.instantiate(cfg.loss)
+        dataset = build_dataset(cfg.dataset, self._tokenizer)
+        val_cfg = cfg.get("dataset_val", None)
+        return dataset, build_dataset(val_cfg, self._tokenizer, "dataset_val") if val_cfg is not None else None
+
+    def _check_data(self, dataset: Any, val_dataset: Optional[Any], max_seq_len: Optional[int]) -> None:
+        """Fails on data that would train on nothing or cannot fill a step on every rank.
+
+        Raises:
+            ValueError: if none of the first samples keeps a label token within ``max_seq_len``, or an epoch has
+                fewer batches per rank than ``gradient_accumulation_steps``.
+        """
+        self._check_samples_have_labels(dataset, max_seq_len)
+        if self.world_size > 1:
+            for data in (dataset, val_dataset):
+                if data is not None:
+                    check_dataset_size(len(data), self._batch_size, self.world_size)
+        batches = len(dataset) // (self._batch_size * self.world_size)
+        if batches < self._gradient_accumulation_steps:
+            raise ValueError(
+                f"The data set gives {batches} batches of batch_size={self._batch_size}"
+                + (" per rank" if self.world_size > 1 else "")
+                + f", fewer than gradient_accumulation_steps={self._gradient_accumulation_steps}: lower either."
+            )
+
+    def _check_samples_have_labels(self, dataset: Any, max_seq_len: Optional[int], limit: int = 64) -> None:
+        """Fails if none of the first ``limit`` samples keeps a label token after truncation (prompts longer than
+        ``max_seq_len``), which would train on nothing; warns if some do not."""
+        ignore_index = self._loss_fn.ignore_index
+        count = min(len(dataset), limit)
+        empty = [i for i in range(count) if all(int(label) == ignore_index for label in dataset[i]["labels"])]
+        if count and len(empty) == count:
+            raise ValueError(
+                f"None of the first {count} samples of the data set keeps a label token after truncation to "
+                f"tokenizer.max_seq_len={max_seq_len}: their prompts are longer. Raise tokenizer.max_seq_len."
+            )
+        if empty and self._is_rank_zero:
+            log.warning(
+                f"{len(empty)} of the first {count} samples have no label token within tokenizer.max_seq_len="
+                f"{max_seq_len} (e.g. sample {empty[0]}); they do not train."
+            )
+
+    def _resolve_kept_ids(self, dataset: Any, val_dataset: Optional[Any]) -> None:
+        """Vocab pruning: the kept token ids (a file, else the ids the data uses); every rank computes the same."""
+        vocab_size = self._model.tok_embeddings.num_embeddings
+        self._kept_ids = resolve_kept_ids(
+            self._vocab_pruning_cfg["kept_ids"], vocab_size, self._tokenizer, [dataset, val_dataset]
+        )
+        self._info(f"Vocab pruning: keeping {len(self._kept_ids)} of {vocab_size} token ids.")
+
+    def _check_recipe_state(self, state: Dict[str, Any]) -> None:
+        """Checks a resumed recipe state against this run (adapter shapes, dtype, kept ids) and takes its seed and
+        position.
+
+        Raises:
+            ValueError: if the adapters, the dtype or the kept token ids differ.
+        """
+        check_adapter_state(self._model, state["adapter"])
+        if state["dtype"] != str(self._dtype):
+            raise ValueError(
+                f"The recipe state was saved with dtype {state['dtype']} but this run uses {self._dtype}; "
+                "resume with the same dtype."
+            )
+        if state.get("kept_ids") != self._kept_ids:
+            raise ValueError(
+                "The recipe state's vocab pruning (kept token ids) differs from this run's; resume with the same "
+                "vocab_pruning settings and data."
+            )
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.world_size and state["dataloader"] is not None:
+            self._info(
+                f"The recipe state was saved with {saved_world} rank(s), this run has {self.world_size}: the data "
+                "position within the epoch is kept but the samples each rank sees differ from an uninterrupted run."
+            )
+        if state["seed"] != self.seed:
+            self._info(f"Config seed {self.seed} differs from the checkpoint's; using {state['seed']}.")
+            self.seed = state["seed"]
+        if state["max_steps_per_epoch"] != self.max_steps_per_epoch:
+            self._info(
+                f"Config max_steps_per_epoch={self.max_steps_per_epoch} differs from the checkpoint's; using "
+                f"{state['max_steps_per_epoch']}."
+            )
+            self.max_steps_per_epoch = state["max_steps_per_epoch"]
+        self.epochs_run = state["epochs_run"]
+        self.global_step = state["global_step"]
+        self._steps_in_epoch_done = state["steps_in_epoch_done"]
+
+    def _start_writing(self, cfg: DictConfig) -> None:
+        """Rank 0, once everything has been checked: clears what killed writes of an earlier run left in the
+        output folder and opens the metric logger."""
+        if not self._is_rank_zero:
+            return
+        stale = self._checkpointer.remove_stale_temporaries()
+        if stale:
+            log.info(
+                f"Deleted {len(stale)} temporary file(s)/folder(s) of interrupted writes: {[p.name for p in stale]}"
+            )
+        self._metric_logger = config.instantiate(cfg.metric_logger)
+        self._metric_logger.log_config(cfg)
+
+    def _load_model(self, state: Optional[Dict[str, Any]]) -> None:
+        """Prunes (meta), marks trainable params, wraps, shards, then streams the base in and initialises (or
+        restores) the adapters; every rank holds only its shards throughout."""
+        start = time.perf_counter()
+        model = self._model
+        pruning_cfg = self._vocab_pruning_cfg
+        if pruning_cfg is not None:
+            self._pruning = prune_vocab_(
+                model,
+                self._kept_ids,
+                dtype=pruning_cfg["dtype"],
+                unknown_token_id=pruning_cfg["unknown_token_id"],
+                trainable=pruning_cfg["trainable"],
+            )
+        set_trainable_params(model, get_adapter_params(model))
+        if self._enable_activation_checkpointing:
+            training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        if self._compile:
+            training.compile_model(model, verbose=self._is_rank_zero)
+        self._parallelize()
+        load_base_(model, self._checkpointer, self._device, pruning=self._pruning, sharded_device=self._sharded_device)
+        init_adapters_(model, self._device, state["adapter"] if state is not None else None)
+        training.validate_no_params_on_meta_device(model)
+
+        adapters = self._adapter_params = get_adapter_params(model)
+        self._adapter_keys = [unwrap_key(model, name) for name in adapters]
+        self._trainable_params = [p for p in adapters.values() if p.requires_grad]
+        self._replicated_params = replicated_params(model)
+        # LoRA/DoRA params in the adapter dtype; pruned rows (and a pruned output's adapters) in the pruning dtype.
+        check_param_dtypes(
+            [(k, p) for k, p in zip(self._adapter_keys, adapters.values()) if not k.startswith("tok_embeddings.")],
+            self._adapter_dtype,
+            "adapter",
+        )
+        if self.rank > 0:
+            # Own RNG streams per rank from here on (dropout), as torchtune's seed + rank.
+            _seed_everything(self.seed + self.rank)
+        self._info(
+            f"Loaded {self._checkpointer.checkpoint_dir} into NF4"
+            + (f" on {self.world_size} ranks" if self.world_size > 1 else "")
+            + f" in {time.perf_counter() - start:.1f} s: compute dtype {self._dtype}, adapters {self._adapter_dtype}, "
+            f"device {self._device}" + (f", vocab pruning in {pruning_cfg['dtype']}" if pruning_cfg else "") + "."
+        )
+
+    def _parallelize(self) -> None:
+        """Shards the model (the distributed recipe); one rank keeps it whole."""
+
+    @property
+    def _sharded_device(self) -> Optional[torch.device]:
+        """Where sharded params live (the host under FSDP CPU offload); None: the training device."""
+        return None
+
+    def _setup_loss(self) -> None:
+        if self._compile:
+            self._loss_fn = training.compile_loss(self._loss_fn)
+        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+
+    # --------------------------------------------------------------------------------------------------- data
+
+    def _setup_dataloaders(self, cfg: DictConfig, dataset: Any, val_dataset: Optional[Any]) -> None:
+        """Training (shuffled per ``cfg.shuffle``, last partial batch dropped) and validation data loaders."""
+        collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
+        self._sampler, self._dataloader = self._data_loader(
+            dataset, cfg.dataset, shuffle=cfg.shuffle, collate_fn=collate_fn, drop_last=True
+        )
+        self._val_dataloader = None
+        if val_dataset is not None:
+            self._val_dataloader = self._data_loader(
+                val_dataset, cfg.dataset_val, shuffle=False, collate_fn=collate_fn, drop_last=False
+            )[1]
+
+    def _data_loader(
+        self, dataset: Any, cfg_dataset: Any, shuffle: bool, collate_fn: str, drop_last: bool
+    ) -> Tuple[StatefulDistributedSampler, StatefulDataLoader]:
+        packed = (
+            getattr(dataset, "packed", False)
+            if isinstance(cfg_dataset, ListConfig)
+            else cfg_dataset.get("packed", False)
+        )
+        if "left_pad_sequence" in collate_fn:
+            raise RuntimeError("left_pad_sequence collator is only for inference.")
+        collate = _get_component_from_path(collate_fn)
+        # Every rank must run the same number of batches (FSDP's collectives). Training pads the index list to a
+        # multiple of the world size (torchtune's behaviour); validation (no dropped batches) drops the remainder
+        # instead, so that no sample counts twice in the validation loss. One rank: no padding either way.
+        sampler = StatefulDistributedSampler(
+            dataset,
+            num_replicas=self.world_size,
+            rank=self.rank,
+            shuffle=shuffle,
+            seed=self.seed,
+            drop_last=not drop_last,
+        )
+        dataloader = StatefulDataLoader(
+            dataset=dataset,
+            batch_size=self._batch_size,
+            sampler=sampler,
+            collate_fn=padded_collate_packed
+            if packed
+            else partial(collate, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index),
+            # dropping the last partial batch keeps shapes static (compile) and batches comparable
+            drop_last=drop_last,
+        )
+        return sampler, dataloader
+
+    def _setup_schedule(self, cfg: DictConfig, state: Optional[Dict[str, Any]]) -> None:
+        """Steps per epoch, the LR scheduler, and (resuming) the optimizer, loss scaler, data and RNG positions.
+
+        Raises:
+            ValueError: if an epoch has fewer batches than ``gradient_accumulation_steps``.
+        """
+        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
+        if self.max_steps_per_epoch is not None:
+            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
+        if self._steps_per_epoch == 0:
+            raise ValueError(
+                f"The data set gives {len(self._dataloader)} batches per rank, fewer than "
+                f"gradient_accumulation_steps={self._gradient_accumulation_steps}: lower batch_size or "
+                "gradient_accumulation_steps."
+            )
+        if state is not None:
+            load_full_optimizer_state(self._optimizer, state["optimizer"])
+            self._loss_scaler.load_state_dict(state["loss_scaler"])
+            if state["dataloader"] is not None:
+                self._dataloader.load_state_dict(state["dataloader"])
+        self._lr_scheduler = config.instantiate(
+            cfg.lr_scheduler,
+            self._optimizer,
+            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            last_epoch=self.global_step - 1,
+        )
+        # Restored when training starts, after the data loader iterator has drawn its seed.
+        self._rng_to_restore = None
+        if state is not None:
+            self._lr_scheduler.load_state_dict(state["lr_scheduler"])
+            per_rank = state.get("rng_per_rank")
+            self._rng_to_restore = (
+                per_rank[self.rank] if per_rank and len(per_rank) == self.world_size else state["rng"]
+            )
+        self._ignore_labels_cache = torch.full((self._batch_size, 1), self._loss_fn.ignore_index, device=self._device)
+        self._info(f"Memory after setup: {format_memory_stats(self._memory_metrics())}")
+
+    # ---------------------------------------------------------------------------------------------- cross-rank
+
+    def _memory_metrics(self) -> Dict[str, float]:
+        """This rank's memory figures, or every rank's (``<name>/rank<r>``) on several ranks. Collective."""
+        return memory_stats(self._device) if self.world_size == 1 else gather_memory_stats(self._device)
+
+    # ----------------------------------------------------------------------------------------------- training
+
+    def _pad_batch(self, batch: Dict[str, torch.Tensor]) -> None:
+        """Right-pads tokens (pad id) and labels (ignored) to a multiple of ``_pad_to_multiple``; causal attention
+        makes the extra positions invisible to the others, so the loss is unchanged. Packed batches are left."""
+        if self._pad_to_multiple is None or "mask" in batch:
+            return
+        extra = -batch["tokens"].shape[1] % self._pad_to_multiple
+        if extra:
+            batch["tokens"] = nn.functional.pad(batch["tokens"], (0, extra), value=self._tokenizer.pad_id)
+            batch["labels"] = nn.functional.pad(batch["labels"], (0, extra), value=self._loss_fn.ignore_index)
+
+    def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mean loss over the batch's label tokens (0 if it has none)."""
+        self._pad_batch(batch)
+        labels = shifted_labels(batch.pop("labels"), self._ignore_labels_cache)
+        logits = self._model(**batch)
+        if self._pruning is not None:
+            labels = self._pruning.remap_labels(labels, ignore_index=self._loss_fn.ignore_index)
+        if not isinstance(logits, list):
+            labels = labels.reshape(-1)
+            logits = logits.reshape(-1, logits.size(-1))
+        loss = self._loss_fn(logits, labels)
+        # A micro-batch without label tokens still runs backward (FSDP's collectives), contributing zero.
+        if not bool((labels != self._loss_fn.ignore_index).any()):
+            loss = sum(chunk.sum() for chunk in (logits if isinstance(logits, list) else [logits])) * 0.0
+        del logits
+        return loss
+
+    @torch.no_grad()
+    def _validate(self) -> float:
+        """The validation loss, averaged over the label tokens of all ranks."""
+        self._model.eval()
+        total, count = 0.0, 0
+        for i, batch in enumerate(self._val_dataloader):
+            if self._max_validation_steps is not None and i >= self._max_validation_steps:
+                break
+            utils.batch_to_device(batch, self._device)
+            num_tokens = int((batch["labels"] != self._loss_fn.ignore_index).sum())
+            total += float(self._loss_step(batch)) * num_tokens
+            count += num_tokens
+        self._model.train()
+        sums = all_reduce_sum(torch.tensor([total, count], dtype=torch.float64))
+        return float(sums[0] / sums[1].clamp(min=1))
+
+    def _optimizer_step(self, num_tokens: torch.Tensor) -> Tuple[Dict[str, float], float]:
+        """Normalises the gradients by the step's global label-token count, clips, steps and zeroes them.
+
+        Returns:
+            Tuple[Dict[str, float], float]: step metrics (grad norm; loss scale and skipped steps in fp16) and
+            the global token count.
+        """
+        global_tokens = float(all_reduce_sum(num_tokens))
+        all_reduce_grads(self._replicated_params)
+        self._loss_scaler.unscale_(self._optimizer)
+        for param in self._trainable_params:
+            if param.grad is not None:
+                param.grad.mul_(1.0 / max(global_tokens, 1.0))
+        max_norm = math.inf if self._clip_grad_norm is None else float(self._clip_grad_norm)
+        grad_norm = clip_grad_norm_(self._trainable_params, max_norm=max_norm)
+        self._loss_scaler.step(self._optimizer)
+        self._optimizer.zero_grad(set_to_none=True)
+        self._lr_scheduler.step()
+        metrics = {"grad_norm": grad_norm.item()}
+        if self._loss_scaler.enabled:
+            metrics.update(loss_scale=self._loss_scaler.get_scale(), skipped_steps=self._loss_scaler.skipped_steps)
+        return metrics, global_tokens
+
+    def _log_step(
+        self,
+        loss: float,
+        step_metrics: Dict[str, float],
+        throughput: Throughput,
+        num_tokens: float,
+        global_tokens: float,
+    ) -> None:
+        rank_tokens_per_second = throughput.tokens_per_second()
+        metrics = {
+            "loss": loss,
+            "lr": self._optimizer.param_groups[0]["lr"],
+            "tokens_per_second": rank_tokens_per_second * global_tokens / max(num_tokens, 1.0),
+            **({"tokens_per_second_per_rank": rank_tokens_per_second} if self.world_size > 1 else {}),
+            **step_metrics,
+            **self._memory_metrics(),
+        }
+        if self._is_rank_zero:
+            self._metric_logger.log_dict(metrics, step=self.global_step)
+
+    def train(self) -> None:
+        """The training loop: gradient accumulation normalised by the global label-token count of each step (all
+        ranks, all micro-batches), as torchtune's recipes; checkpoints every ``save_every_n_steps`` and at the end
+        of each epoch; stops after ``stop_after_step`` with a resumable checkpoint."""
+        if self._compile:
+            self._info("torch.compile is enabled: the first iterations are slow.")
+        throughput = Throughput()
+        self._first_step_of_run = self.global_step + 1
+        running_loss, num_tokens = 0.0, 0
+        for curr_epoch in range(self.epochs_run, self.total_epochs):
+            self._sampler.set_epoch(curr_epoch)
+            pbar = tqdm(
+                total=self._steps_per_epoch,
+                initial=self._steps_in_epoch_done,
+                dynamic_ncols=True,
+                disable=not self._is_rank_zero,
+            )
+            micro_batches = 0
+            batches = iter(self._dataloader)  # draws a seed from the global RNG, as at the start of the run
+            if self._rng_to_restore is not None:
+                set_rng_state(self._rng_to_restore, self._device)
+                self._rng_to_restore = None
+            step_start = time.perf_counter()
+            for batch in batches:
+                if self._steps_in_epoch_done >= self._steps_per_epoch:
+                    break
+                utils.batch_to_device(batch, self._device)
+                batch_tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
+                num_tokens += batch_tokens
+                throughput.add(batch_tokens)
+                # The loss is a mean over tokens; weighting by the count lets the step normalise over all of them.
+                loss = self._loss_step(batch) * batch_tokens
+                running_loss += loss.detach()
+                self._loss_scaler.scale(loss).backward()
+                micro_batches += 1
+                if micro_batches % self._gradient_accumulation_steps != 0:
+                    continue
+
+                step_metrics, global_tokens = self._optimizer_step(num_tokens)
+                self._train_tokens += global_tokens
+                self._train_seconds += time.perf_counter() - step_start
+                self.global_step += 1
+                self._steps_in_epoch_done += 1
+                loss_value = float(all_reduce_sum(running_loss)) / max(global_tokens, 1.0)
+                self.loss_history.append(loss_value)
+                pbar.update(1)
+                pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_value:.4f}")
+                if self.global_step % self._log_every_n_steps == 0:
+                    self._log_step(loss_value, step_metrics, throughput, float(num_tokens), global_tokens)
+                    throughput.reset()
+                running_loss, num_tokens = 0.0, 0
+                if self._should_validate():
+                    val_loss = self._validate()
+                    if self._is_rank_zero:
+                        self._metric_logger.log_dict({"val_loss": val_loss}, step=self.global_step)
+
+                mid_epoch = self._steps_in_epoch_done < self._steps_per_epoch
+                if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
+                    if mid_epoch:
+                        pbar.close()
+                        self.save_checkpoint(end_of_epoch=False, full=False)
+                        self._info(
+                            f"Stopped after step {self.global_step} (stop_after_step); resume with "
+                            "resume_from_checkpoint=True."
+                        )
+                        return
+                elif self._save_every_n_steps and self.global_step % self._save_every_n_steps == 0 and mid_epoch:
+                    self.save_checkpoint(end_of_epoch=False, full=False)
+                step_start = time.perf_counter()
+            pbar.close()
+            self.epochs_run += 1
+            self._steps_in_epoch_done = 0
+            self.save_checkpoint(end_of_epoch=True)
+            if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
+                return
+
+    def _should_validate(self) -> bool:
+        return bool(
+            self._val_dataloader is not None
+            and self._run_val_every_n_steps
+            and self.global_step % self._run_val_every_n_steps == 0
+        )
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+
+    def _progress_state(self, end_of_epoch: bool) -> Dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "epochs_run": self.epochs_run,
+            "steps_in_epoch_done": 0 if end_of_epoch else self._steps_in_epoch_done,
+            "seed": self.seed,
+            "total_epochs": self.total_epochs,
+            "max_steps_per_epoch": self.max_steps_per_epoch,
+            "dtype": str(self._dtype),
+            "lr_scheduler": self._lr_scheduler.state_dict(),
+            "loss_scaler": self._loss_scaler.state_dict(),
+            # A new epoch starts a fresh pass over the data.
+            "dataloader": None if end_of_epoch else self._dataloader.state_dict(),
+            "kept_ids": self._kept_ids,
+            "world_size": self.world_size,
+        }
+
+    def _rng_states(self) -> List[Dict[str, Any]]:
+        """Every rank's RNG states, on every rank. Collective."""
+        states: List[Any] = [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(states, rng_state(self._device))
+        else:
+            states = [rng_state(self._device)]
+        return states
+
+    def save_checkpoint(self, end_of_epoch: bool = True, full: bool = True) -> None:
+        """Saves the adapter (PEFT), optionally the merged model, then the recipe state (which commits the checkpoint:
+        a resume never starts from a step without its folder). Collective. Only the adapters are gathered unless the
+        merged model is written; NF4 weights are gathered packed.
+
+        Args:
+            end_of_epoch (bool): called at the end of an epoch (the next run starts a fresh pass over the data).
+            full (bool): also write the merged model (unless ``save_adapter_weights_only``).
+        """
+        start = time.perf_counter()
+        save_merged = full and not self._save_adapter_weights_only
+        # One rank: the live tensors, no copies; the saver moves one tensor at a time to the host.
+        state = get_full_state_dict(
+            self._model, adapter_weights_only=not save_merged, keep_nf4=True, cpu_offload=self.world_size > 1
+        )
+        optimizer = get_full_optimizer_state(self._optimizer)
+        rng = self._rng_states()
+        if self._is_rank_zero:
+            adapters = {k: state[k].detach().to("cpu", copy=True) for k in self._adapter_keys}
+            # Saved at the end too: a finished run can be extended by raising `epochs` and resuming.
+            self._last_checkpoint = self._checkpointer.save(
+                self._exportable(state),
+                step=self.global_step,
+                adapter_config=self._lora.adapter_config(self._pruning),
+                save_merged=save_merged,
+                dtype=self._dtype,
+                merge_base=self._merge_base,
+            )
+            recipe_state = {
+                **self._progress_state(end_of_epoch),
+                "adapter": adapters,
+                "optimizer": optimizer,
+                "rng": rng[0],
+                "rng_per_rank": rng,
+            }
+            self._checkpointer.save_recipe_state(recipe_state)
+            log.info(f"Checkpoint saved to {self._last_checkpoint} in {time.perf_counter() - start:.1f} s.")
+        del state
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _exportable(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """A full state dict under the unpruned model's keys and shapes (the trained rows written into the base's
+        full-vocabulary tensors)."""
+        if self._pruning is None:
+            return state_dict
+        return export_full_vocab_state_dict(state_dict, self._checkpointer.read_vocab(), self._kept_ids)
+
+    # ----------------------------------------------------------------------------------------------- the end
+
+    def cleanup(self) -> None:
+        """Closes the metric logger and prints (rank 0) the run's summary: loss, peak memory, mean tokens/s, and
+        where the outputs are. Collective."""
+        memory = self._memory_metrics()
+        if not self._is_rank_zero:
+            return
+        self._metric_logger.close()
+        print(self._summary(memory), flush=True)
+
+    def _summary(self, memory: Dict[str, float]) -> str:
+        log_dir = getattr(self._metric_logger, "log_dir", None)
+        checkpoint: Optional[Path] = getattr(self, "_last_checkpoint", None)
+        lines = ["", "Done." if self.world_size == 1 else f"Done ({self.world_size} ranks)."]
+        if self.loss_history:
+            lines.append(
+                f"  loss: {self.loss_history[0]:.4f} (step {self._first_step_of_run}) -> "
+                f"{self.loss_history[-1]:.4f} (step {self.global_step})"
+            )
+        lines.append(f"  peak memory:         {_peak_memory_line(memory)}")
+        if self._train_seconds > 0:
+            lines.append(
+                f"  tokens/s (mean):     {self._train_tokens / self._train_seconds:,.0f} label tokens/s over "
+                f"{self.global_step - self._first_step_of_run + 1} steps"
+                + (f" ({self.world_size} ranks together)" if self.world_size > 1 else "")
+            )
+        if checkpoint is not None:
+            lines.append(f"  adapter (PEFT):      {checkpoint / 'adapter'}")
+            if (checkpoint / "merged").is_dir():
+                lines.append(f"  merged model (HF):   {checkpoint / 'merged'}")
+        if (self._checkpointer.output_dir / "recipe_state").is_dir():
+            lines.append(f"  resumable state:     {self._checkpointer.output_dir / 'recipe_state'}")
+        if log_dir is not None:
+            lines.append(f"  TensorBoard logs:    {log_dir}  (tensorboard --logdir {log_dir})")
+        return "\n".join(lines)
+
+
+def _peak_memory_line(memory: Dict[str, float]) -> str:
+    """The largest value of each memory figure over the ranks (``name`` or ``name/rank<r>`` keys), in GiB."""
+    peaks: Dict[str, float] = {}
+    for key, value in memory.items():
+        name = key.split("/")[0]
+        peaks[name] = max(peaks.get(name, 0.0), value)
+    parts = []
+    if "peak_memory_alloc" in peaks:
+        parts.append(
+            f"{peaks['peak_memory_alloc']:.2f} GiB allocated, {peaks['peak_memory_reserved']:.2f} GiB reserved"
+        )
+    parts.append(f"{peaks['peak_rss']:.2f} GiB host RSS")
+    return " | ".join(parts) + (" (max over ranks)" if any("/" in key for key in memory) else "")
