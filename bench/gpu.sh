@@ -4,7 +4,8 @@
 #
 #   bash bench/gpu.sh 2>&1 | tee $OUT/gpu_bench.txt
 #
-# It prints, side by side in each run: NF4 dequant/quantize and linear fwd+bwd vs torchao and dense on CUDA, the tiny
+# It prints, side by side in each run: the memory estimate (dry_run's) against the measured peak of our recipe's step,
+# with activation offloading and the tiled MLP on CUDA; NF4 dequant/quantize and linear fwd+bwd vs torchao and dense on CUDA, the tiny
 # recipe vs torchtune's recipe (tokens/s, CUDA peak), the streamed 1B load vs torchtune's, and a Llama-3.2-1B-shaped
 # random-weight QLoRA run of our recipe and torchtune's in fp32, bf16 and fp16 (torchtune: fp32/bf16 only, it
 # rejects fp16) with peak memory and tokens/s. Seed 001's figure to compare: fp32 QLoRA peaks ~20% above bf16.
@@ -48,4 +49,7 @@ for dtype in fp32 bf16; do
     output_dir="$CACHE/torchtune_1b_$dtype" dtype=$dtype device=cuda $DATA \
     2>&1 | metrics
 done
+section "memory estimate vs measured, our recipe's step (1B-shaped; offloading and tiled MLP need CUDA)"
+timeout 200 $PY bench/gpu_memory.py --seq 2048 --steps 3
+timeout 200 $PY bench/gpu_memory.py --seq 16384 --steps 2 --settings bf16+offload+tiled,fp32+offload+tiled
 section "done"

@@ -85,7 +85,7 @@ def _load(path: Path, name: str):
     return module
 
 
-def _config(which: str, model: str, dtype: str, device: str, steps: int, base: Path, out: Path):
+def _config(which: str, model: str, dtype: str, device: str, steps: int, base: Path, out: Path, ours: List[str]):
     from omegaconf import OmegaConf
 
     config, torchtune_builder, _ = MODELS[model]
@@ -102,7 +102,10 @@ def _config(which: str, model: str, dtype: str, device: str, steps: int, base: P
         cfg.tokenizer = {"_component_": "torchtune_ext.data.tiny_tokenizer", "max_seq_len": 128}
         cfg.dataset = {"_component_": "torchtune_ext.data.tiny_instruct_dataset"}
         cfg.batch_size, cfg.gradient_accumulation_steps = 4, 1
+    if which == "ours":
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(ours))
     if which == "torchtune":
+        cfg.loss = {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"}
         cfg.model._component_ = torchtune_builder
         cfg.model.quantize_base = True
         cfg.checkpointer._component_ = "torchtune.training.FullModelHFCheckpointer"
@@ -111,7 +114,9 @@ def _config(which: str, model: str, dtype: str, device: str, steps: int, base: P
     return cfg
 
 
-def worker(which: str, model: str, dtype: str, device: str, steps: int, base: Path) -> Dict[str, float]:
+def worker(
+    which: str, model: str, dtype: str, device: str, steps: int, base: Path, ours: List[str]
+) -> Dict[str, float]:
     import resource
 
     import torch
@@ -120,7 +125,7 @@ def worker(which: str, model: str, dtype: str, device: str, steps: int, base: Pa
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory() as out:
-        cfg = _config(which, model, dtype, device, steps, base, Path(out))
+        cfg = _config(which, model, dtype, device, steps, base, Path(out), ours)
         if which == "ours":
             module = _load(ROOT / "recipes" / "qlora_finetune_single_device.py", "ours")
             recipe = module.QLoRAFinetuneRecipeSingleDevice(cfg)
@@ -143,7 +148,9 @@ def worker(which: str, model: str, dtype: str, device: str, steps: int, base: Pa
     }
 
 
-def _run_worker(which: str, model: str, dtype: str, device: str, steps: int, base: Path) -> Dict[str, float]:
+def _run_worker(
+    which: str, model: str, dtype: str, device: str, steps: int, base: Path, ours: List[str]
+) -> Dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [
         sys.executable,
@@ -160,6 +167,7 @@ def _run_worker(which: str, model: str, dtype: str, device: str, steps: int, bas
         str(steps),
         "--base",
         str(base),
+        *[f"--ours={item}" for item in ours],
     ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
@@ -179,10 +187,16 @@ def main() -> None:
     parser.add_argument(
         "--notes", default=None, help="also write the results into this markdown file (default: print only)"
     )
+    parser.add_argument(
+        "--ours",
+        action="append",
+        default=[],
+        help="an override of our run's config (repeatable), e.g. a setting's cost",
+    )
     parser.add_argument("--worker", choices=["ours", "torchtune"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = worker(args.worker, args.model, args.dtypes, args.device, args.steps, Path(args.base))
+        result = worker(args.worker, args.model, args.dtypes, args.device, args.steps, Path(args.base), args.ours)
         print(json.dumps(result))
         return
 
@@ -194,7 +208,7 @@ def main() -> None:
         results = {"ours": [], "torchtune": []}
         for _ in range(args.repeats):
             for which in results:
-                results[which].append(_run_worker(which, args.model, dtype, args.device, args.steps, base))
+                results[which].append(_run_worker(which, args.model, dtype, args.device, args.steps, base, args.ours))
         ours, theirs = (max(results[w], key=lambda r: r["tokens_per_second"]) for w in ("ours", "torchtune"))
         for which, best in (("ours", ours), ("torchtune", theirs)):
             best["all_tokens_per_second"] = [round(r["tokens_per_second"]) for r in results[which]]
@@ -224,7 +238,7 @@ def main() -> None:
         f"{os.cpu_count()} CPU cores shared with other jobs (load average {load[0]:.1f} at the end), torch "
         f"{torch.__version__}, torchtune 0.6.1. Date: {datetime.date.today()}. Command: "
         f"`python bench/recipe.py --model {args.model} --device {args.device} --dtypes {args.dtypes} "
-        f"--steps {args.steps} --repeats {args.repeats}`.",
+        f"--steps {args.steps} --repeats {args.repeats}{''.join(f' --ours {o}' for o in args.ours)}`.",
         "",
         "| dtype | ours tok/s | torchtune tok/s | tok/s ratio (goal >= 1.0x) | ours peak | torchtune peak | "
         "peak ratio (goal <= 1.0x) | first loss ours / torchtune |",

@@ -108,8 +108,9 @@ class QLoRAFinetuneRecipeDistributed(QLoRARecipe):
         pruning_cfg = self._vocab_pruning_cfg
         chunked = self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss"
         if chunked and pruning_cfg is not None and pruning_cfg["sharding"] == "sharded":
-            # The output is projected chunk by chunk, each chunk a call of the pruning module's own FSDP unit
-            # (an all-gather): every rank must make the same number of calls, whatever its sequence length.
+            # torchtune's loss: the output is projected chunk by chunk, each chunk a call of the pruning module's
+            # own FSDP unit (an all-gather): every rank must make the same number of calls, whatever its sequence
+            # length (LinearCrossEntropyLoss agrees on its number of chunks itself).
             self._pad_to_multiple = self._loss_fn.num_output_chunks
 
 
@@ -118,6 +119,11 @@ def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run --nproc_per_node N recipes/qlora_finetune_distributed.py --config <yaml> [k=v ...]``."""
     if int(os.environ.get("RANK", "0")) == 0:
         config.log_config(recipe_name="QLoRAFinetuneRecipeDistributed", cfg=cfg)
+    if cfg.get("dry_run", False):
+        raise ValueError(
+            "dry_run=True estimates one device's memory: run it with recipes/qlora_finetune_single_device.py (the "
+            "same config keys); a sharded run holds less per rank."
+        )
     recipe = QLoRAFinetuneRecipeDistributed(cfg=cfg)
     init_distributed(recipe._device, recipe._process_group_timeout_s)
     try:

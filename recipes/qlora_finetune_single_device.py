@@ -29,6 +29,13 @@ count, LR schedule and logging), with these differences:
 - ``vocab_pruning`` (as in the distributed recipe; ``sharding`` does not apply): train over the token ids the data
   uses (or a kept-ids file), the kept embedding/output rows in their own dtype (fp32 by default); the merged
   checkpoint is exported with the full vocabulary and the PEFT adapter carries trained rows as PEFT trainable tokens.
+- ``dry_run=True``: prints the peak device memory of the config's training step and its breakdown, whether it fits
+  (``device_memory_gb=15`` for a T4, or the CUDA device's own) and the longest sequence that does, without loading
+  weights or data (``torchtune_ext.memory``; the checkpoint need not be downloaded yet).
+- ``enable_activation_offloading`` (CUDA): saved activations go to pinned host memory; with activation
+  checkpointing that is each layer's input (offloaded gradient checkpointing).
+- ``frozen_dtype``: storage of the frozen token embedding / untied output; by default in an fp32 run the 16-bit
+  checkpoint's own dtype (upcast per use), so fp32 costs no more for them than bf16.
 - ``stop_after_step`` ends a run early with a resumable checkpoint (the LR schedule still spans the whole run),
   e.g. to split training across time-limited sessions; ``save_every_n_steps`` saves resumable checkpoints.
 
@@ -68,6 +75,9 @@ def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/qlora_finetune_single_device.py --config <yaml> [key=value ...]``."""
     config.log_config(recipe_name="QLoRAFinetuneRecipeSingleDevice", cfg=cfg)
     recipe = QLoRAFinetuneRecipeSingleDevice(cfg=cfg)
+    if cfg.get("dry_run", False):
+        recipe.dry_run(cfg)  # the memory estimate only: no weights, no data, nothing written
+        return
     recipe.setup(cfg=cfg)
     recipe.train()
     recipe.cleanup()

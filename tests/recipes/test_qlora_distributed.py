@@ -23,7 +23,7 @@ from conftest import run_distributed
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.integration_test, pytest.mark.distributed, pytest.mark.stack]
+pytestmark = [pytest.mark.integration_test, pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
 # Relative to ROOT (the runs' cwd): `tune run --nproc_per_node` turns the recipe path into a module name.
@@ -123,6 +123,7 @@ def dist_run(base, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.stack
 def test_matches_single_device_on_the_same_global_batch(base, dist_run, tmp_path):
     # The same config file, the single-device recipe with the global batch (2 x 4) on one process.
     single = tmp_path / "single"
@@ -226,12 +227,15 @@ def _vocab_pruning_worker(rank: int, world_size: int, base: str, tmp: str, refer
 def test_vocab_pruning_remapping_replicated_and_sharded(base, dist_run, tmp_path):
     run_distributed(_vocab_pruning_worker, 2, str(base), str(tmp_path), _logged(dist_run))
 
-    # All kept, frozen rows: the exported checkpoint is the unpruned run's, rows in the right order.
-    _assert_same_tensors(_merged(tmp_path / "permuted"), _merged(dist_run), atol=1e-6)
+    # All kept, frozen rows: the exported checkpoint is the unpruned run's, rows in the right order. The loss sums
+    # the softmax over the vocabulary in the permuted order (and, sharded, through the checkpointed path instead of
+    # the fused one): fp32 rounding of ~1e-7 in the gradients, which Adam's normalisation makes ~lr-sized for
+    # near-zero gradients (measured 5.5e-6 after 4 steps at lr 1e-2).
+    _assert_same_tensors(_merged(tmp_path / "permuted"), _merged(dist_run), atol=2e-5)
 
     # Replicated and sharded save the same tensors.
     replicated, sharded = tmp_path / "replicated", tmp_path / "sharded"
-    _assert_same_tensors(_merged(replicated), _merged(sharded), atol=1e-6)
+    _assert_same_tensors(_merged(replicated), _merged(sharded), atol=2e-5)
     _assert_same_tensors(_adapter(replicated), _adapter(sharded), atol=2e-5)
     assert _logged(replicated) == pytest.approx(_logged(sharded), abs=1e-6)
 
@@ -346,6 +350,7 @@ def test_real_model_configs(name):
     assert sum(p.numel() for p in model.parameters()) > 1e9
 
 
+@pytest.mark.stack
 def test_two_node_launch_matches_one_node(base, dist_run, tmp_path):
     """Two launchers on this machine, as on two nodes: ``--nnodes 2``, one gloo process per node, c10d rendezvous on
     127.0.0.1 (the README's multi-node command). The same 2-rank job as ``dist_run``: the same losses."""

@@ -38,7 +38,7 @@ from torchtune_ext.data import write_tiny_checkpoint
 from torchtune_ext.modules import save_kept_ids
 from torchtune_ext.nf4 import to_nf4
 
-pytestmark = [pytest.mark.integration_test, pytest.mark.stack]
+pytestmark = pytest.mark.integration_test
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "qlora_finetune_single_device.py"
@@ -202,6 +202,7 @@ def _parity_cfg(base: Path, out: Path, ours: bool):
     return OmegaConf.create(cfg)
 
 
+@pytest.mark.stack
 def test_parity_with_torchtunes_lora_finetune_single_device(base, workdir):
     """Same tiny model, data, seed and adapters: our fp32 QLoRA losses equal torchtune's quantize_base recipe's.
 
@@ -297,8 +298,16 @@ def test_tensorboard_events_hold_the_loss_and_metrics(runs):
     assert sorted(logged["val_loss"]) == [3, 6]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-def test_adapter_grads_are_fp32(base, workdir, dtype):
+@pytest.mark.parametrize(
+    "dtype, loss",
+    [
+        ("fp32", "torchtune_ext.modules.LinearCrossEntropyLoss"),
+        ("fp32", "torchtune.modules.loss.CEWithChunkedOutputLoss"),
+        ("fp16", "torchtune_ext.modules.LinearCrossEntropyLoss"),
+    ],
+    ids=["fp32", "fp32-torchtune_loss", "fp16"],
+)
+def test_adapter_grads_are_fp32(base, workdir, dtype, loss):
     module = _load_module(RECIPE, f"qlora_grads_{dtype}")
     cfg = OmegaConf.load(CONFIG)
     cfg = OmegaConf.merge(
@@ -308,6 +317,7 @@ def test_adapter_grads_are_fp32(base, workdir, dtype):
                 f"output_dir={workdir / ('grads_' + dtype)}",
                 f"checkpointer.checkpoint_dir={base}",
                 f"dtype={dtype}",
+                f"loss._component_={loss}",
                 "batch_size=4",
                 "metric_logger._component_=torchtune.training.metric_logging.StdoutLogger",
             ]
@@ -331,14 +341,15 @@ def test_adapter_grads_are_fp32(base, workdir, dtype):
 
 def _check_loss_step(recipe, batch: Dict[str, torch.Tensor]) -> None:
     """The recipe's loss is the mean next-token cross-entropy over label tokens (an independent computation on the
-    unchunked logits), and a micro-batch without label tokens gives exactly 0 with zero, finite gradients."""
+    whole logits), and a micro-batch without label tokens gives exactly 0 with zero, finite gradients."""
     ignore = recipe._loss_fn.ignore_index
     tokens, labels = batch["tokens"], batch["labels"]
+    model = recipe._model
     with torch.no_grad():
-        recipe._model.set_num_output_chunks(1)
-        logits = recipe._model(tokens)
-        recipe._model.set_num_output_chunks(recipe._loss_fn.num_output_chunks)
-        logits = logits[0] if isinstance(logits, list) else logits
+        switches = model.skip_output_layer, model.num_output_chunks
+        model.skip_output_layer, model.num_output_chunks = False, 0  # the plain model: whole logits
+        logits = model(tokens)
+        model.skip_output_layer, model.num_output_chunks = switches
         expected = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=ignore
         )
@@ -419,6 +430,7 @@ def _check_merged(out: Path, base: Path, model_type: str, rank: int, alpha: floa
     assert lora_modules == len(peft) // 2 > 0
 
 
+@pytest.mark.stack
 def test_export_llama_merged_equals_dequantized_base_plus_lora(runs, base):
     _check_merged(runs("fp32", "dtype=fp32"), base, "LLAMA3_2", rank=16, alpha=32)
 
@@ -469,6 +481,7 @@ def test_vocab_pruning_exports_the_trained_rows(runs, base):
     torch.testing.assert_close(rows, embedding[kept_ids], rtol=0, atol=0)
 
 
+@pytest.mark.stack
 def test_export_qwen_merged_onto_the_original_base_plus_lora(workdir):
     """``merge_base=original``: the merged model is the checkpoint's own weights + LoRA (PEFT's model)."""
     out, qwen_base = workdir / "qwen", workdir / "base_qwen"
@@ -547,3 +560,27 @@ def test_bf16_where_unsupported_fails_before_writing(base, workdir, monkeypatch)
     ):
         module.QLoRAFinetuneRecipeSingleDevice(cfg).setup(cfg)
     assert not out.exists()
+
+
+@pytest.mark.stack
+def test_fp32_keeps_a_16_bit_checkpoints_frozen_weights_in_16_bit(workdir):
+    """dtype=fp32 on a bf16 checkpoint: the token embedding (tied output) stays bf16 by default, computing in fp32;
+    the run equals one that stores it in fp32 (``frozen_dtype=fp32``): upcasting bf16 is exact."""
+    bf16_base = write_tiny_checkpoint(workdir / "base_llama_bf16", family="llama", dtype="bf16", seed=0)
+    common = [
+        f"checkpointer.checkpoint_dir={bf16_base}",
+        "dtype=fp32",
+        "max_steps_per_epoch=3",
+        "batch_size=4",
+        "run_val_every_n_steps=null",
+    ]
+    default, full = workdir / "frozen_default", workdir / "frozen_fp32"
+    log = tune_run(f"output_dir={default}", *common).stderr
+    assert "frozen embedding/output stored in torch.bfloat16" in log
+    tune_run(f"output_dir={full}", *common, "frozen_dtype=fp32")
+    torch.testing.assert_close(losses(default), losses(full), rtol=1e-6, atol=0)
+    merged, merged_full = (
+        load_file(next((out / "step_3" / "merged").glob("*.safetensors"))) for out in (default, full)
+    )
+    for key in merged:
+        torch.testing.assert_close(merged[key], merged_full[key], rtol=1e-5, atol=1e-6, msg=key)

@@ -135,6 +135,13 @@ SINGLE_DEVICE_CASES = [
     ),
     pytest.param(["model.intermediate_dim=200"], "cannot be NF4-quantized", "fresh", id="nf4_incompatible_dims"),
     pytest.param(
+        ["enable_activation_offloading=True"],
+        "enable_activation_offloading=True needs a CUDA device",
+        "fresh",
+        id="activation_offloading_off_cuda",
+    ),
+    pytest.param(["merge_base=fp8"], "merge_base='fp8' is not supported; use merge_base=nf4", "fresh", id="merge_base"),
+    pytest.param(
         ["checkpointer.checkpoint_files=[missing.safetensors]"],
         "Checkpoint file(s) not found",
         "fresh",

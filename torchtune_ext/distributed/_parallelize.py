@@ -83,7 +83,11 @@ def shard_model(
             ignored = set(vocab_pruning.parameters())
     for layer in layers:
         fully_shard(layer, mp_policy=compute, **common)
-    fully_shard(model, mp_policy=compute, ignored_params=ignored, **common)
+    # The root (embedding, final norm, output) keeps its params gathered after forward (FSDP2's own default for the
+    # root): backward needs them first anyway, and LinearCrossEntropyLoss calls the output after the forward. In
+    # fp32 its frozen weights may be stored in 16 bits (``frozen_dtype``): they are gathered as stored.
+    root = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
+    fully_shard(model, mp_policy=root, ignored_params=ignored, **{**common, "reshard_after_forward": False})
     for unit in fsdp_units(model):
         unit.set_force_sum_reduction_for_comms(True)
         unit.set_gradient_divide_factor(1.0)

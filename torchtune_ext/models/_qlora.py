@@ -15,13 +15,19 @@ from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from torchtune.modules import TransformerDecoder
+from torchtune.modules import TiedLinear, TransformerDecoder
 from torchtune.modules.peft import DoRALinear as TorchtuneDoRALinear
 from torchtune.modules.peft import LoRALinear as TorchtuneLoRALinear
 from torchtune.training import set_default_dtype
 
 from torchtune_ext.models._init import materialize_
-from torchtune_ext.modules.low_precision import FrozenNF4Linear, dense_state_dict_post_hook
+from torchtune_ext.modules.low_precision import (
+    FrozenEmbedding,
+    FrozenLinear,
+    FrozenNF4Linear,
+    FrozenTiedLinear,
+    dense_state_dict_post_hook,
+)
 from torchtune_ext.modules.peft import DoRALinear, LoRALinear
 from torchtune_ext.modules.transformer import use_contiguous_chunks_
 from torchtune_ext.nf4 import check_float_dtype
@@ -65,11 +71,24 @@ def _replace_linears(model: TransformerDecoder, dtype: torch.dtype, adapter_dtyp
         setattr(parent, name, module)
 
 
+def _store_frozen_weights_in(model: TransformerDecoder, dtype: torch.dtype, storage_dtype: torch.dtype) -> None:
+    """The token embedding and a plain output projection stored in ``storage_dtype``, computing in ``dtype``."""
+    embedding = model.tok_embeddings
+    if type(embedding) is nn.Embedding:
+        vocab_size, embed_dim = embedding.num_embeddings, embedding.embedding_dim
+        model.tok_embeddings = FrozenEmbedding(vocab_size, embed_dim, dtype, storage_dtype)
+    if isinstance(model.output, TiedLinear):
+        model.output = FrozenTiedLinear(model.tok_embeddings, dtype)
+    elif type(model.output) is nn.Linear and model.output.bias is None:
+        model.output = FrozenLinear(model.output.in_features, model.output.out_features, dtype, storage_dtype)
+
+
 def build_qlora(
     torchtune_builder: Callable[..., TransformerDecoder],
     *,
     dtype: torch.dtype = torch.bfloat16,
     adapter_dtype: Optional[torch.dtype] = None,
+    frozen_dtype: Optional[torch.dtype] = None,
     device: DeviceLike = "meta",
     seed: Optional[int] = 0,
     **builder_kwargs,
@@ -80,6 +99,9 @@ def build_qlora(
         torchtune_builder (Callable[..., TransformerDecoder]): e.g. ``torchtune.models.llama3_2.lora_llama3_2_1b``.
         dtype (torch.dtype): compute dtype; also the dtype of embeddings, norms, output and biases.
         adapter_dtype (Optional[torch.dtype]): LoRA/DoRA param dtype (None: ``dtype``); fp16 training wants fp32.
+        frozen_dtype (Optional[torch.dtype]): storage dtype of the frozen weights that are not NF4 (the token
+            embedding and a plain output projection), which compute in ``dtype`` all the same (upcast per use): e.g.
+            bf16 in an fp32 run on a T4, the checkpoint's own dtype at half the memory. None: ``dtype``.
         device (DeviceLike): "meta" (default) leaves the model unmaterialised for a checkpoint loader or FSDP;
             any other device materialises it layer by layer with random weights.
         seed (Optional[int]): init seed when materialising.
@@ -93,9 +115,12 @@ def build_qlora(
     """
     check_float_dtype(dtype)
     check_float_dtype(adapter_dtype, "adapter_dtype")
+    check_float_dtype(frozen_dtype, "frozen_dtype")
     with set_default_dtype(dtype), torch.device("meta"):
         model = torchtune_builder(quantize_base=False, **builder_kwargs)
         _replace_linears(model, dtype, adapter_dtype or dtype)
+        if frozen_dtype is not None and frozen_dtype != dtype:
+            _store_frozen_weights_in(model, dtype, frozen_dtype)
         use_contiguous_chunks_(model)
     model._register_state_dict_hook(dense_state_dict_post_hook)
     if torch.device(device).type != "meta":
@@ -120,7 +145,8 @@ def qlora_builder(torchtune_builder: Callable[..., TransformerDecoder]) -> Calla
     builder.__doc__ = (
         f"QLoRA version of ``{torchtune_builder.__module__}.{torchtune_builder.__name__}``: same arguments "
         "(``lora_attn_modules``, ``apply_lora_to_mlp``, ``apply_lora_to_output``, ``lora_rank``, ``lora_alpha``, "
-        "``lora_dropout``, ``use_dora``) plus ``dtype``, ``adapter_dtype``, ``device`` and ``seed`` of "
+        "``lora_dropout``, ``use_dora``) plus ``dtype``, ``adapter_dtype``, ``frozen_dtype``, ``device`` and ``seed`` "
+        "of "
         ":func:`build_qlora`.\n\nReturns:\n    TransformerDecoder: the QLoRA model (NF4 base, compute ``dtype``)."
     )
     return builder

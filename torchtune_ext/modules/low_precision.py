@@ -8,17 +8,21 @@ dequantizes through ``NF4Tensor.get_original_weight``, which is slow (two gather
   faster), computes in it, and saves only the NF4 weight for backward; on CPU it dequantizes slab by slab into a
   reused buffer, so the dense weight never exists whole.
 - ``FrozenNF4Linear``: an ``nn.Linear`` whose weight is a frozen NF4Tensor.
+- ``FrozenLinear`` / ``FrozenEmbedding`` / ``FrozenTiedLinear``: the frozen weights that are not NF4 (the token
+  embedding, an untied output projection) stored in the checkpoint's 16-bit dtype while computing in fp32 (a T4 has
+  no bf16 compute but stores bf16 fine), upcast per use a block at a time: an fp32 run holds them at bf16's memory.
 - :func:`dense_state_dict_post_hook`: the state-dict hook of our QLoRA models (torchtune's contract: ``state_dict()``
   returns dense weights in the compute dtype, on the CPU).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchtune.modules import TiedLinear
 
 from torchtune_ext.nf4 import (
     NF4_BLOCK_SIZE,
@@ -150,6 +154,145 @@ def linear_nf4(input: torch.Tensor, weight: NF4Tensor, dtype: Optional[torch.dty
     compute_dtype = _compute_dtype(input, dtype)
     with torch.autocast(input.device.type, enabled=False):
         return LinearNF4.apply(input, weight, compute_dtype)
+
+
+# CPU and accelerators: a frozen dense weight is upcast this many values at a time (64 MiB of fp32), never whole.
+_FROZEN_BLOCK_NUMEL = 1 << 24
+
+
+class FrozenLinearFunction(torch.autograd.Function):
+    """``y = x @ W.T`` in ``dtype`` for a frozen dense ``W`` stored in another dtype (e.g. a bf16 output projection
+    of an fp32 run), saving only ``W`` (not an upcast copy) for backward and upcasting a block of rows at a time, so
+    no full-size copy of ``W`` ever exists (a 128k-vocabulary output weight is 2 GiB in fp32)."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.compute_dtype = dtype
+        out_dim, in_dim = weight.shape
+        x = input.to(dtype).reshape(-1, in_dim)
+        out = torch.empty(x.shape[0], out_dim, dtype=dtype, device=x.device)
+        for start, stop in _row_blocks(weight):
+            torch.mm(x, weight[start:stop].to(dtype).t(), out=out[:, start:stop])
+        return out.view(*input.shape[:-1], out_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
+        (weight,) = ctx.saved_tensors
+        out_dim, in_dim = weight.shape
+        grad = grad_output.to(ctx.compute_dtype).reshape(-1, out_dim)
+        grad_input = torch.zeros(grad.shape[0], in_dim, dtype=ctx.compute_dtype, device=grad.device)
+        for start, stop in _row_blocks(weight):
+            grad_input.addmm_(grad[:, start:stop], weight[start:stop].to(ctx.compute_dtype))
+        return grad_input.view(*grad_output.shape[:-1], in_dim), None, None
+
+
+def _row_blocks(weight: torch.Tensor) -> List[Tuple[int, int]]:
+    rows = max(1, _FROZEN_BLOCK_NUMEL // weight.shape[1])
+    return [(start, min(start + rows, weight.shape[0])) for start in range(0, weight.shape[0], rows)]
+
+
+def frozen_linear(input: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A linear layer with a frozen dense weight, computed in ``dtype`` whatever the weight's storage dtype.
+
+    Args:
+        input (torch.Tensor): ``(..., in_dim)``, any float dtype.
+        weight (torch.Tensor): ``(out_dim, in_dim)``, frozen; stored in any float dtype.
+        dtype (torch.dtype): compute and output dtype.
+
+    Returns:
+        torch.Tensor: ``(..., out_dim)`` in ``dtype``; equal to ``F.linear(input.to(dtype), weight.to(dtype))``.
+    """
+    if weight.dtype == dtype:
+        return F.linear(input.to(dtype), weight)
+    return FrozenLinearFunction.apply(input, weight, dtype)
+
+
+class FrozenLinear(nn.Linear):
+    """``nn.Linear`` with a frozen weight stored in ``storage_dtype`` (e.g. the checkpoint's bf16) that computes in
+    ``dtype`` (e.g. fp32 on a T4), upcasting per use: the fp32 run's frozen untied output projection at the
+    memory of bf16, and the same values (a bf16 weight upcast to fp32 is exact).
+
+    Args:
+        in_dim (int): input dimension.
+        out_dim (int): output dimension.
+        dtype (torch.dtype): compute (and output) dtype.
+        storage_dtype (torch.dtype): dtype the weight is stored in.
+        device (Optional[torch.device]): device ("meta" builds without memory).
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, dtype: torch.dtype, storage_dtype: torch.dtype, device=None) -> None:
+        check_float_dtype(dtype)
+        check_float_dtype(storage_dtype, "storage_dtype")
+        super().__init__(in_dim, out_dim, bias=False, device=device, dtype=storage_dtype)
+        self.weight.requires_grad_(False)
+        self.compute_dtype = dtype
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            input (torch.Tensor): ``(..., in_dim)``.
+
+        Returns:
+            torch.Tensor: ``(..., out_dim)`` in the compute dtype.
+        """
+        return frozen_linear(input, self.weight, self.compute_dtype)
+
+
+class FrozenEmbedding(nn.Embedding):
+    """``nn.Embedding`` with a frozen table stored in ``storage_dtype`` whose rows come out in ``dtype`` (a lookup,
+    so the upcast is of the looked-up rows only).
+
+    Args:
+        num_embeddings (int): vocabulary size.
+        embedding_dim (int): embedding dimension.
+        dtype (torch.dtype): output (compute) dtype.
+        storage_dtype (torch.dtype): dtype the table is stored in.
+        device (Optional[torch.device]): device ("meta" builds without memory).
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, storage_dtype: torch.dtype, device=None
+    ) -> None:
+        check_float_dtype(dtype)
+        check_float_dtype(storage_dtype, "storage_dtype")
+        super().__init__(num_embeddings, embedding_dim, device=device, dtype=storage_dtype)
+        self.weight.requires_grad_(False)
+        self.compute_dtype = dtype
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            input (torch.Tensor): token ids.
+
+        Returns:
+            torch.Tensor: their embeddings in the compute dtype.
+        """
+        return super().forward(input).to(self.compute_dtype)
+
+
+class FrozenTiedLinear(TiedLinear):
+    """torchtune's ``TiedLinear`` (the output projection tied to the token embedding) computing in ``dtype`` whatever
+    the shared table's storage dtype (see :class:`FrozenEmbedding`).
+
+    Args:
+        tied_module (nn.Module): the module whose ``weight`` is shared (the token embedding).
+        dtype (torch.dtype): compute (and output) dtype.
+    """
+
+    def __init__(self, tied_module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__(tied_module)
+        self.compute_dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            x (torch.Tensor): ``(..., embed_dim)``.
+
+        Returns:
+            torch.Tensor: ``(..., vocab_size)`` in the compute dtype.
+        """
+        return frozen_linear(x, self.tied_module.weight, self.compute_dtype)
 
 
 def _quantize_incoming_weight(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:

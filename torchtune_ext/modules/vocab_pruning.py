@@ -485,7 +485,7 @@ def prune_vocab_(
         embed_dim,
         output=output,
         dtype=dtype,
-        model_dtype=embedding.weight.dtype,
+        model_dtype=getattr(embedding, "compute_dtype", embedding.weight.dtype),
         unknown_token_id=unknown_token_id,
         trainable=trainable,
         device=device,

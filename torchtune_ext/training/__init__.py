@@ -2,6 +2,7 @@
 loss scaling, memory and throughput metrics, and the config settings the recipes read."""
 
 from torchtune_ext._dtype import DTYPES, is_bf16_supported, parse_dtype
+from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
 from torchtune_ext.training._metrics import (
     Throughput,
     format_memory_stats,
@@ -16,13 +17,14 @@ from torchtune_ext.training._precision import (
     check_param_dtypes,
     default_adapter_dtype,
 )
-from torchtune_ext.training._recipe import QLoRARecipe
+from torchtune_ext.training._recipe import RECIPE_ALLOWANCE, QLoRARecipe
 from torchtune_ext.training._settings import (
     VOCAB_PRUNING_KEYS,
     LoRASettings,
     build_dataset,
     build_qlora_model,
     build_tokenizer,
+    frozen_weights_dtype,
     parse_vocab_pruning,
     positive_int,
     resolve_kept_ids,
@@ -33,18 +35,22 @@ from torchtune_ext.training._settings import (
 
 __all__ = [
     "DTYPES",
+    "RECIPE_ALLOWANCE",
     "DistributedLossScaler",
     "LoRASettings",
     "LossScaler",
     "QLoRARecipe",
     "Throughput",
     "VOCAB_PRUNING_KEYS",
+    "activation_offloading",
     "build_dataset",
     "build_qlora_model",
     "build_tokenizer",
+    "check_activation_offloading",
     "check_param_dtypes",
     "default_adapter_dtype",
     "format_memory_stats",
+    "frozen_weights_dtype",
     "gather_memory_stats",
     "is_bf16_supported",
     "memory_stats",

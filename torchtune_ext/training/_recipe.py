@@ -22,12 +22,14 @@ the optimizer steps (unless fp16 overflowed); logs, validation and checkpoints f
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -44,7 +46,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from torchtune_ext._dtype import parse_dtype
-from torchtune_ext.checkpoint import MERGE_BASES, QLoRAHFCheckpointer, load_base_
+from torchtune_ext.checkpoint import MERGE_BASES, QLoRAHFCheckpointer, load_base_, read_hf_config
 from torchtune_ext.distributed import (
     all_reduce_grads,
     all_reduce_sum,
@@ -56,8 +58,12 @@ from torchtune_ext.distributed import (
     replicated_params,
     unwrap_key,
 )
+from torchtune_ext.memory import GIB, DeviceAllowance, MemoryEstimator, OffloadedActivations
 from torchtune_ext.models import check_adapter_state, init_adapters_
+from torchtune_ext.modules.loss import LinearCrossEntropyLoss
+from torchtune_ext.modules.transformer import tile_mlp_
 from torchtune_ext.modules.vocab_pruning import VocabPruning, export_full_vocab_state_dict, prune_vocab_
+from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
 from torchtune_ext.training._metrics import Throughput, format_memory_stats, gather_memory_stats, memory_stats
 from torchtune_ext.training._precision import (
     DistributedLossScaler,
@@ -70,6 +76,7 @@ from torchtune_ext.training._settings import (
     build_dataset,
     build_qlora_model,
     build_tokenizer,
+    frozen_weights_dtype,
     parse_vocab_pruning,
     positive_int,
     resolve_kept_ids,
@@ -79,6 +86,11 @@ from torchtune_ext.training._settings import (
 )
 
 log = utils.get_logger("INFO")
+
+#: The dry run's allowance beyond torch's allocator: the CUDA context, and fragmentation of 10% of the transient
+#: peak, since the recipes run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (an assumption until
+#: bench/gpu.sh measures it; torchtune's default allocator with variable-length batches needs about 100%).
+RECIPE_ALLOWANCE = DeviceAllowance(fragmentation=0.1)
 
 
 def _seed_everything(seed: int) -> None:
@@ -105,6 +117,7 @@ class QLoRARecipe(FTRecipeInterface):
     _device: torch.device
     _dtype: torch.dtype  # compute dtype
     _adapter_dtype: torch.dtype  # LoRA/DoRA params (fp32 masters under fp16)
+    _frozen_dtype: torch.dtype  # storage of the frozen weights that are not NF4 (embedding, output)
     _batch_size: int  # per rank
     _gradient_accumulation_steps: int
     _clip_grad_norm: Optional[float]
@@ -137,8 +150,14 @@ class QLoRARecipe(FTRecipeInterface):
     loss_history: List[float]
 
     def __init__(self, cfg: DictConfig) -> None:
-        self._device = utils.get_device(device=cfg.device)
-        self._dtype = parse_dtype(cfg.get("dtype", "fp32"), self._device)
+        # A dry run estimates for the configured device type, which this machine need not have.
+        self._dry_run = bool(cfg.get("dry_run", False))
+        if not self._dry_run and str(cfg.device).startswith("cuda"):
+            # Before CUDA allocates: growable segments instead of fixed blocks leave little fragmentation when
+            # batch shapes vary (the memory estimate's allowance assumes it; the user's own setting is kept).
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        self._device = torch.device(cfg.device) if self._dry_run else utils.get_device(device=cfg.device)
+        self._dtype = parse_dtype(cfg.get("dtype", "fp32"), None if self._dry_run else self._device)
         self._adapter_dtype = default_adapter_dtype(self._dtype, cfg.get("adapter_dtype", None))
         self._batch_size = positive_int(cfg, "batch_size", 1)
         self._read_settings(cfg)
@@ -150,7 +169,8 @@ class QLoRARecipe(FTRecipeInterface):
             cfg (DictConfig): the recipe config.
 
         Raises:
-            ValueError: on a non-positive count, an unknown ``merge_base``, or ``enable_activation_offloading``.
+            ValueError: on a non-positive count, an unknown ``merge_base``, or ``enable_activation_offloading`` off
+                CUDA.
         """
         self._log_every_n_steps = positive_int(cfg, "log_every_n_steps", 1)
         self._gradient_accumulation_steps = positive_int(cfg, "gradient_accumulation_steps", 1)
@@ -171,12 +191,12 @@ class QLoRARecipe(FTRecipeInterface):
                 "own weights)."
             )
         self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
+        self._enable_activation_offloading = cfg.get("enable_activation_offloading", False)
+        self._tiled_mlp_tokens = positive_int(cfg, "tiled_mlp_tokens", None)
+        if not self._dry_run:
+            check_activation_offloading(self._enable_activation_offloading, self._device)
+        self._activation_offloading: ContextManager = contextlib.nullcontext()
         self._compile = cfg.get("compile", False)
-        if cfg.get("enable_activation_offloading", False):
-            raise ValueError(
-                "enable_activation_offloading is not supported by this recipe; use "
-                "enable_activation_checkpointing=True to save activation memory."
-            )
         self._vocab_pruning_cfg = parse_vocab_pruning(cfg.get("vocab_pruning", None))
         self._pruning = None
         self._kept_ids = None
@@ -248,7 +268,10 @@ class QLoRARecipe(FTRecipeInterface):
         """
         self._checkpointer = config.instantiate(cfg.checkpointer)
         self._lora = LoRASettings.from_config(cfg.model)
-        self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype)
+        self._frozen_dtype = frozen_weights_dtype(
+            cfg.get("frozen_dtype", None), self._dtype, self._checkpointer.hf_config
+        )
+        self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
         self._checkpointer.validate(self._model)
         self._tokenizer = build_tokenizer(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
@@ -357,19 +380,7 @@ class QLoRARecipe(FTRecipeInterface):
         start = time.perf_counter()
         model = self._model
         pruning_cfg = self._vocab_pruning_cfg
-        if pruning_cfg is not None:
-            self._pruning = prune_vocab_(
-                model,
-                self._kept_ids,
-                dtype=pruning_cfg["dtype"],
-                unknown_token_id=pruning_cfg["unknown_token_id"],
-                trainable=pruning_cfg["trainable"],
-            )
-        set_trainable_params(model, get_adapter_params(model))
-        if self._enable_activation_checkpointing:
-            training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-        if self._compile:
-            training.compile_model(model, verbose=self._is_rank_zero)
+        self._prepare_model(model)
         self._parallelize()
         load_base_(model, self._checkpointer, self._device, pruning=self._pruning, sharded_device=self._sharded_device)
         init_adapters_(model, self._device, state["adapter"] if state is not None else None)
@@ -392,8 +403,33 @@ class QLoRARecipe(FTRecipeInterface):
             f"Loaded {self._checkpointer.checkpoint_dir} into NF4"
             + (f" on {self.world_size} ranks" if self.world_size > 1 else "")
             + f" in {time.perf_counter() - start:.1f} s: compute dtype {self._dtype}, adapters {self._adapter_dtype}, "
-            f"device {self._device}" + (f", vocab pruning in {pruning_cfg['dtype']}" if pruning_cfg else "") + "."
+            f"frozen embedding/output stored in {self._frozen_dtype}, device {self._device}"
+            + (f", vocab pruning in {pruning_cfg['dtype']}" if pruning_cfg else "")
+            + "."
         )
+
+    def _prepare_model(self, model: nn.Module) -> None:
+        """What the model gets before its weights: vocab pruning (the kept ids known), only the adapters (and
+        trained pruned rows) trainable, tiled MLPs, activation checkpointing per decoder layer, compile, activation
+        offloading."""
+        pruning_cfg = self._vocab_pruning_cfg
+        if pruning_cfg is not None and self._kept_ids is not None:
+            self._pruning = prune_vocab_(
+                model,
+                self._kept_ids,
+                dtype=pruning_cfg["dtype"],
+                unknown_token_id=pruning_cfg["unknown_token_id"],
+                trainable=pruning_cfg["trainable"],
+            )
+        set_trainable_params(model, get_adapter_params(model))
+        if self._tiled_mlp_tokens is not None:
+            tile_mlp_(model, self._tiled_mlp_tokens)
+        if self._enable_activation_checkpointing:
+            training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        if self._compile:
+            training.compile_model(model, verbose=self._is_rank_zero)
+        if not self._dry_run:
+            self._activation_offloading = activation_offloading(model, self._enable_activation_offloading)
 
     def _parallelize(self) -> None:
         """Shards the model (the distributed recipe); one rank keeps it whole."""
@@ -404,6 +440,11 @@ class QLoRARecipe(FTRecipeInterface):
         return None
 
     def _setup_loss(self) -> None:
+        """``LinearCrossEntropyLoss`` takes over the output projection (the model returns hidden states); torchtune's
+        ``CEWithChunkedOutputLoss`` gets the model's chunked logits."""
+        if isinstance(self._loss_fn, LinearCrossEntropyLoss):
+            self._loss_fn.set_model_output(self._model)
+            return
         if self._compile:
             self._loss_fn = training.compile_loss(self._loss_fn)
         if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
@@ -491,7 +532,6 @@ class QLoRARecipe(FTRecipeInterface):
             self._rng_to_restore = (
                 per_rank[self.rank] if per_rank and len(per_rank) == self.world_size else state["rng"]
             )
-        self._ignore_labels_cache = torch.full((self._batch_size, 1), self._loss_fn.ignore_index, device=self._device)
         self._info(f"Memory after setup: {format_memory_stats(self._memory_metrics())}")
 
     # ---------------------------------------------------------------------------------------------- cross-rank
@@ -515,18 +555,20 @@ class QLoRARecipe(FTRecipeInterface):
     def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The mean loss over the batch's label tokens (0 if it has none)."""
         self._pad_batch(batch)
-        labels = shifted_labels(batch.pop("labels"), self._ignore_labels_cache)
-        logits = self._model(**batch)
+        labels = shifted_labels(batch.pop("labels"), self._loss_fn.ignore_index)
+        with self._activation_offloading:
+            output = self._model(**batch)  # hidden states for LinearCrossEntropyLoss, else (chunked) logits
         if self._pruning is not None:
             labels = self._pruning.remap_labels(labels, ignore_index=self._loss_fn.ignore_index)
-        if not isinstance(logits, list):
+        if not isinstance(output, list):
             labels = labels.reshape(-1)
-            logits = logits.reshape(-1, logits.size(-1))
-        loss = self._loss_fn(logits, labels)
-        # A micro-batch without label tokens still runs backward (FSDP's collectives), contributing zero.
-        if not bool((labels != self._loss_fn.ignore_index).any()):
-            loss = sum(chunk.sum() for chunk in (logits if isinstance(logits, list) else [logits])) * 0.0
-        del logits
+            output = output.reshape(-1, output.size(-1))
+        loss = self._loss_fn(output, labels)
+        # torchtune's losses give nan without label tokens; the micro-batch still runs backward (FSDP's collectives),
+        # contributing zero. LinearCrossEntropyLoss gives 0 itself, keeping its output calls equal across ranks.
+        if not isinstance(self._loss_fn, LinearCrossEntropyLoss) and not (labels != self._loss_fn.ignore_index).any():
+            loss = sum(chunk.sum() for chunk in (output if isinstance(output, list) else [output])) * 0.0
+        del output
         return loss
 
     @torch.no_grad()
@@ -544,6 +586,18 @@ class QLoRARecipe(FTRecipeInterface):
         self._model.train()
         sums = all_reduce_sum(torch.tensor([total, count], dtype=torch.float64))
         return float(sums[0] / sums[1].clamp(min=1))
+
+    def _forward_backward(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch: its loss weighted by its label-token count (the loss is a mean over tokens; the step
+        then normalises the sum over all micro-batches and ranks), scaled (fp16) and back-propagated.
+
+        Returns:
+            Tuple[torch.Tensor, torch.Tensor]: the weighted loss (detached) and the label-token count.
+        """
+        batch_tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
+        loss = self._loss_step(batch) * batch_tokens
+        self._loss_scaler.scale(loss).backward()
+        return loss.detach(), batch_tokens
 
     def _optimizer_step(self, num_tokens: torch.Tensor) -> Tuple[Dict[str, float], float]:
         """Normalises the gradients by the step's global label-token count, clips, steps and zeroes them.
@@ -615,13 +669,10 @@ class QLoRARecipe(FTRecipeInterface):
                 if self._steps_in_epoch_done >= self._steps_per_epoch:
                     break
                 utils.batch_to_device(batch, self._device)
-                batch_tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
+                loss, batch_tokens = self._forward_backward(batch)
                 num_tokens += batch_tokens
                 throughput.add(batch_tokens)
-                # The loss is a mean over tokens; weighting by the count lets the step normalise over all of them.
-                loss = self._loss_step(batch) * batch_tokens
-                running_loss += loss.detach()
-                self._loss_scaler.scale(loss).backward()
+                running_loss += loss
                 micro_batches += 1
                 if micro_batches % self._gradient_accumulation_steps != 0:
                     continue
@@ -746,6 +797,115 @@ class QLoRARecipe(FTRecipeInterface):
         if self._pruning is None:
             return state_dict
         return export_full_vocab_state_dict(state_dict, self._checkpointer.read_vocab(), self._kept_ids)
+
+    # ----------------------------------------------------------------------------------------------- dry run
+
+    def memory_estimator(self, cfg: DictConfig, model: Optional[nn.Module] = None) -> MemoryEstimator:
+        """This recipe's training step for its config, ready to estimate on fake tensors: the model built from
+        ``model:`` on the meta device and prepared as for training (trainable adapters, activation checkpointing,
+        the loss, activation offloading), and this recipe's own micro-batch and optimizer step. Needs no
+        checkpoint, no data and no GPU (vocab pruning and compile are left out).
+
+        Args:
+            cfg (DictConfig): the recipe config.
+            model (Optional[nn.Module]): a real model (built from the same ``model:`` section, materialized on the
+                CPU) to run the same step on real tensors instead, counted the same way: the estimate's validation.
+
+        Returns:
+            MemoryEstimator: call ``estimate(batch_size, seq_len)`` or ``max_seq_len_that_fits(gib)``.
+        """
+        hf_config = self._checkpoint_config(cfg)
+        self._frozen_dtype = frozen_weights_dtype(cfg.get("frozen_dtype", None), self._dtype, hf_config)
+        fake = model is None
+        if fake:
+            model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
+        self._loss_fn = config.instantiate(cfg.loss)
+        self._compile = False
+        # On fake CPU tensors; what the device would hold is what the estimate counts.
+        self._loss_scaler = LossScaler(self._dtype == torch.float16, torch.device("cpu"), **cfg.get("loss_scaler", {}))
+        if self._enable_activation_offloading:
+            self._activation_offloading = OffloadedActivations()
+
+        def setup(fake_model: nn.Module, loss_fn: Any, activation_checkpointing: bool) -> None:
+            self._model = fake_model
+            self._prepare_model(fake_model)
+            self._setup_loss()
+
+        def optimizer(fake_model: nn.Module) -> torch.optim.Optimizer:
+            self._trainable_params = [p for p in fake_model.parameters() if p.requires_grad]
+            self._replicated_params = []
+            self._optimizer = config.instantiate(cfg.optimizer, self._trainable_params)
+            self._lr_scheduler = config.instantiate(cfg.lr_scheduler, self._optimizer, num_training_steps=1)
+            return self._optimizer
+
+        def step(fake_model: nn.Module, loss_fn: Any, optimizer: Any, batch: Dict[str, torch.Tensor]) -> None:
+            _, batch_tokens = self._forward_backward(batch)
+            self._optimizer_step(batch_tokens)
+
+        return MemoryEstimator(
+            model,
+            activation_checkpointing=self._enable_activation_checkpointing,
+            loss_fn=self._loss_fn,
+            optimizer_factory=optimizer,
+            train_step=step,
+            setup=setup,
+            dtype=self._dtype,
+            gradient_accumulation_steps=self._gradient_accumulation_steps,
+            allowance=RECIPE_ALLOWANCE,
+            fake=fake,
+        )
+
+    def _checkpoint_config(self, cfg: DictConfig) -> Dict[str, Any]:
+        """The base checkpoint's ``config.json`` if it is there already, else a bf16 one (every supported model's HF
+        checkpoint is bf16): a dry run is for before the download."""
+        path = Path(str(cfg.checkpointer.get("checkpoint_dir", ""))) / "config.json"
+        if path.is_file():
+            return read_hf_config(path.parent)
+        self._info(f"{path} not found: assuming a bf16 checkpoint (set frozen_dtype to say otherwise).")
+        return {"dtype": "bfloat16"}
+
+    def dry_run(self, cfg: DictConfig) -> str:
+        """Estimates the peak device memory of this config's training step without loading weights or data, and
+        says whether it fits on the device (``device_memory_gb``, in GiB, or the CUDA device's own) and the longest
+        sequence that does.
+
+        Args:
+            cfg (DictConfig): the recipe config (``tokenizer.max_seq_len``: the padded length estimated).
+
+        Returns:
+            str: the report (also printed).
+
+        Raises:
+            ValueError: without ``tokenizer.max_seq_len``.
+        """
+        seq_len = cfg.tokenizer.get("max_seq_len", None)
+        if seq_len is None:
+            raise ValueError("dry_run=True estimates batches padded to tokenizer.max_seq_len: set it.")
+        estimator = self.memory_estimator(cfg)
+        estimate = estimator.estimate(self._batch_size, seq_len)
+        lines = [
+            estimate.format(),
+            f"  settings: dtype={self._dtype}, frozen embedding/output in {self._frozen_dtype}, "
+            f"activation checkpointing {self._enable_activation_checkpointing}, activation offloading "
+            f"{self._enable_activation_offloading}, tiled_mlp_tokens={self._tiled_mlp_tokens}, "
+            f"loss {type(self._loss_fn).__name__}, "
+            f"gradient_accumulation_steps={self._gradient_accumulation_steps}",
+        ]
+        if estimate.host_bytes:
+            lines.append(f"  host memory the offloaded activations take: {estimate.host_bytes / GIB:.2f} GiB (pinned)")
+        memory_gib = cfg.get("device_memory_gb", None)
+        if memory_gib is None and self._device.type == "cuda" and torch.cuda.is_available():
+            memory_gib = torch.cuda.get_device_properties(self._device).total_memory / GIB
+        if memory_gib is not None:
+            fits = "fits" if estimate.fits(memory_gib) else "does NOT fit"
+            longest = estimator.max_seq_len_that_fits(memory_gib, self._batch_size)
+            lines += [
+                f"On {memory_gib:.1f} GiB: batch {self._batch_size} x {seq_len} tokens {fits}; the longest sequence "
+                f"that fits at batch {self._batch_size}: {longest} tokens."
+            ]
+        report = "\n".join(lines)
+        print(report, flush=True)
+        return report
 
     # ----------------------------------------------------------------------------------------------- the end
 

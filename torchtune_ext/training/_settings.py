@@ -135,42 +135,70 @@ class LoRASettings:
         return config
 
 
-def shifted_labels(labels: torch.Tensor, ignore_labels_cache: torch.Tensor) -> torch.Tensor:
+def shifted_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Labels shifted left by one, the last position ignored: equivalent to ``labels[..., 1:]`` against
-    ``logits[..., :-1, :]`` without slicing the logits.
+    ``logits[..., :-1, :]`` without slicing the logits (or the hidden states).
 
     Args:
         labels (torch.Tensor): ``(batch, seq)`` labels.
-        ignore_labels_cache (torch.Tensor): ``(max_batch, 1)`` filled with the loss's ignore index.
+        ignore_index (int): the loss's ignore index.
 
     Returns:
         torch.Tensor: the shifted labels.
     """
-    return torch.hstack((labels[..., 1:], ignore_labels_cache[: labels.shape[0]]))
+    last = torch.full((labels.shape[0], 1), ignore_index, dtype=labels.dtype, device=labels.device)
+    return torch.hstack((labels[..., 1:], last))
 
 
-def build_qlora_model(cfg_model: DictConfig, dtype: torch.dtype, adapter_dtype: torch.dtype) -> nn.Module:
+def frozen_weights_dtype(
+    name: Optional[str], dtype: torch.dtype, hf_config: Dict[str, Any], what: str = "frozen_dtype"
+) -> torch.dtype:
+    """The storage dtype of the frozen weights that are not NF4 (token embedding, untied output projection).
+
+    Args:
+        name (Optional[str]): the config's ``frozen_dtype`` (fp32, bf16, fp16); None: the checkpoint's own dtype
+            when it is 16-bit and the compute dtype is fp32 (a T4 stores bf16 but has no bf16 compute: the upcast
+            per use is exact, at half the memory), else the compute dtype.
+        dtype (torch.dtype): the compute dtype.
+        hf_config (Dict[str, Any]): the base checkpoint's ``config.json``.
+        what (str): the config key, for errors.
+
+    Returns:
+        torch.dtype: the storage dtype.
+    """
+    if name is not None:
+        return parse_dtype(name, what=what)
+    stored = parse_dtype(hf_config.get("dtype") or hf_config.get("torch_dtype"), what="config.json dtype")
+    return stored if dtype == torch.float32 and stored in (torch.bfloat16, torch.float16) else dtype
+
+
+def build_qlora_model(
+    cfg_model: DictConfig, dtype: torch.dtype, adapter_dtype: torch.dtype, frozen_dtype: Optional[torch.dtype] = None
+) -> nn.Module:
     """Builds the QLoRA model on the meta device (no memory); shape errors (NF4) surface here.
 
     Args:
         cfg_model (DictConfig): the ``model`` section, a torchtune_ext QLoRA builder.
         dtype (torch.dtype): compute dtype.
         adapter_dtype (torch.dtype): dtype of the LoRA/DoRA params.
+        frozen_dtype (Optional[torch.dtype]): storage dtype of the frozen non-NF4 weights (see
+            :func:`frozen_weights_dtype`); None: ``dtype``.
 
     Returns:
         nn.Module: the model, on meta.
 
     Raises:
-        ValueError: if the builder does not take ``dtype``/``adapter_dtype``/``device``.
+        ValueError: if the builder does not take ``dtype``/``adapter_dtype``/``frozen_dtype``/``device``.
     """
+    extra = {} if frozen_dtype is None or frozen_dtype == dtype else {"frozen_dtype": frozen_dtype}
     try:
-        return config.instantiate(cfg_model, dtype=dtype, adapter_dtype=adapter_dtype, device="meta")
+        return config.instantiate(cfg_model, dtype=dtype, adapter_dtype=adapter_dtype, device="meta", **extra)
     except TypeError as err:
         if "dtype" not in str(err) and "device" not in str(err):
             raise
         raise ValueError(
             f"model._component_={cfg_model._component_} is not a torchtune_ext QLoRA builder (it does not take "
-            "dtype/adapter_dtype/device); use e.g. torchtune_ext.models.qlora_llama3_2_1b."
+            "dtype/adapter_dtype/frozen_dtype/device); use e.g. torchtune_ext.models.qlora_llama3_2_1b."
         ) from err
 
 

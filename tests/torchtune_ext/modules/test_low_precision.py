@@ -6,7 +6,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import torchtune_ext.modules.low_precision as low_precision
-from torchtune_ext.modules import FrozenNF4Linear, LinearNF4, LoRALinear, linear_nf4
+from torchtune_ext.modules import (
+    FrozenEmbedding,
+    FrozenNF4Linear,
+    FrozenTiedLinear,
+    LinearNF4,
+    LoRALinear,
+    frozen_linear,
+    linear_nf4,
+)
 from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4, to_nf4
 
 pytestmark = pytest.mark.stack
@@ -334,3 +342,52 @@ def test_non_float_dtype_raises_clear_error():
         quantize_nf4(torch.zeros(OUT_DIM, IN_DIM, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"dtype=torch.int32 is not a floating-point dtype"):
         linear_nf4(torch.randn(2, IN_DIM), _nf4_weight(), dtype=torch.int32)
+
+
+# ------------------------------------------------------------------------------------------ frozen 16-bit storage
+
+
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16])
+def test_frozen_linear_computes_in_fp32_from_16_bit_storage(storage, monkeypatch):
+    """An fp32 run's bf16-stored frozen weight: the values of F.linear on the upcast weight (the upcast is exact),
+    with only the stored weight saved for backward and the upcast done a block of rows at a time."""
+    from torchtune_ext.modules import low_precision
+
+    monkeypatch.setattr(low_precision, "_FROZEN_BLOCK_NUMEL", 256 * 100)  # 3 blocks of 100 rows (+ 12)
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(312, 256, generator=gen) * 0.05).to(storage)
+    x = torch.randn(3, 5, 256, generator=gen, requires_grad=True)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = frozen_linear(x, weight, torch.float32)
+    assert out.dtype == torch.float32 and [t.data_ptr() for t in saved] == [weight.data_ptr()]
+    grad_out = torch.randn(out.shape, generator=gen)
+    out.backward(grad_out)
+    reference_x = x.detach().clone().requires_grad_()
+    reference = F.linear(reference_x, weight.float())
+    reference.backward(grad_out)
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, reference_x.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_frozen_embedding_and_tied_output_keep_bf16_storage_and_fp32_results():
+    from torchtune_ext.models import qlora_tiny_llama
+
+    full = qlora_tiny_llama(["q_proj", "v_proj"], dtype=torch.float32, device="cpu", seed=0)
+    half = qlora_tiny_llama(
+        ["q_proj", "v_proj"], dtype=torch.float32, frozen_dtype=torch.bfloat16, device="cpu", seed=0
+    )
+    assert isinstance(half.tok_embeddings, FrozenEmbedding) and isinstance(half.output, FrozenTiedLinear)
+    assert half.tok_embeddings.weight.dtype == torch.bfloat16 and not half.tok_embeddings.weight.requires_grad
+    # The same model once its table holds bf16 values: fp32 storage of them gives the same results.
+    with torch.no_grad():
+        full.tok_embeddings.weight.copy_(half.tok_embeddings.weight.float())
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    ours, reference = half(tokens), full(tokens)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)

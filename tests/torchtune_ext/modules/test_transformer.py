@@ -47,3 +47,37 @@ def test_qlora_models_project_contiguous_chunks_with_torchtunes_values(builder):
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat(ours, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_tiled_mlp_gives_the_same_loss_and_gradients(checkpointing):
+    """The MLP is per token: running it a tile of tokens at a time (each tile checkpointed) changes nothing."""
+    from torchtune import modules, training
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    from torchtune_ext.modules import TiledFeedForward, tile_mlp_
+
+    grads = []
+    for tile in (None, 16):
+        model = qlora_tiny_llama(["q_proj", "v_proj"], apply_lora_to_mlp=True, dtype=torch.float32, device="cpu")
+        with torch.no_grad():
+            for name, param in get_adapter_params(model).items():
+                if "lora_b" in name:
+                    param.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+        set_trainable_params(model, get_adapter_params(model))
+        if tile is not None:
+            keys = list(model.state_dict(keep_vars=True))
+            tile_mlp_(model, tile)
+            assert list(model.state_dict(keep_vars=True)) == keys  # a class swap: the same parameters and keys
+            assert all(type(layer.mlp) is TiledFeedForward for layer in model.layers)
+        if checkpointing:
+            training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        tokens = torch.randint(0, 512, (2, 50), generator=torch.Generator().manual_seed(2))  # 50 = 3 tiles + 2
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, reference), (tiled_loss, tiled) = grads
+    torch.testing.assert_close(tiled_loss, loss, rtol=1e-6, atol=0)
+    assert tiled.keys() == reference.keys() and reference
+    for name in reference:
+        torch.testing.assert_close(tiled[name], reference[name], rtol=1e-5, atol=1e-7, msg=name)

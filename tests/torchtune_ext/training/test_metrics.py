@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from torchtune_ext.training._metrics import Throughput, format_memory_stats, memory_stats, peak_rss_bytes, rss_bytes
+from torchtune_ext.training import Throughput, format_memory_stats, memory_stats, peak_rss_bytes, rss_bytes
 
 
 def test_peak_rss_tracks_a_large_allocation():

@@ -1,0 +1,79 @@
+"""Know before you start whether it fits: the peak device memory of a QLoRA training step, without a GPU.
+
+:class:`MemoryEstimator` (or :func:`estimate_training_memory` for one shape) runs a recipe's own training step
+(forward on padded sequences, loss, backward, optimizer step) on fake CPU tensors of a model built on the meta
+device, counts every storage the ops create and free, and reports the peak as ``torch.cuda.max_memory_allocated``
+would, with a breakdown at the peak and allowances for what torch's allocator does not count.
+
+The model, its set-up, the loss, the optimizer and the step are all arguments, and the set-up and step are
+required: an estimate runs a recipe's own code, never an imitation of it. Our recipe hands its own over in
+``torchtune_ext.training.QLoRARecipe.memory_estimator(cfg)``: the model built from the config's ``model:`` section
+on meta, prepared as for training (trainable adapters, activation checkpointing, the loss, activation offloading as
+:class:`OffloadedActivations`), and the recipe's ``_forward_backward`` / ``_optimizer_step`` with its configured
+optimizer, so that its settings (16-bit frozen weights under fp32, a loss that never holds the logits, activation
+offloading) show in the estimate without changes here. From the command line, ``dry_run=True`` prints it::
+
+    tune run recipes/qlora_finetune_single_device.py --config configs/llama3_1/8B_qlora_single_device.yaml \
+        dry_run=True dtype=fp32 device_memory_gb=15
+
+or from Python (``dry_run=True`` skips the checks of a device this machine does not have)::
+
+    from omegaconf import OmegaConf
+    from torchtune_ext.training import QLoRARecipe
+
+    cfg = OmegaConf.merge(OmegaConf.load("configs/llama3_1/8B_qlora_single_device.yaml"),
+                          OmegaConf.from_dotlist(["dry_run=True", "dtype=fp32", "enable_activation_offloading=True"]))
+    estimator = QLoRARecipe(cfg).memory_estimator(cfg)
+    print(estimator.estimate(batch_size=1, seq_len=2048))
+    estimator.max_seq_len_that_fits(16)  # GiB
+
+Passing ``model=`` (a real model materialized from the same ``model:`` section) runs the same step on real CPU
+tensors, counted the same way: the estimate's validation. torchtune's own recipe, the peer the benchmarks compare
+against, is here as :func:`torchtune_qlora_model`, :func:`torchtune_setup`, :func:`torchtune_train_step` and
+``adamw_factory(trainable_only=False)``::
+
+    from torchtune.models.llama3_1 import lora_llama3_1_8b
+
+    model = torchtune_qlora_model(lora_llama3_1_8b, torch.bfloat16, lora_attn_modules=["q_proj", "v_proj"])
+    estimator = MemoryEstimator(model, train_step=torchtune_train_step, setup=torchtune_setup,
+                                optimizer_factory=adamw_factory(trainable_only=False))
+
+Host reads of fake values in a step (``.item()``, ``bool()``, ``float()``) return placeholders (True, 1, 0.0).
+"""
+
+from torchtune_ext.memory._estimate import GIB, DeviceAllowance, MemoryEstimate
+from torchtune_ext.memory._estimator import MemoryEstimator, estimate_training_memory
+from torchtune_ext.memory._fake import accelerator_code_path, to_fake_model
+from torchtune_ext.memory._offload import OffloadedActivations
+from torchtune_ext.memory._steps import (
+    OptimizerFactory,
+    Setup,
+    TrainStep,
+    adamw_factory,
+    torchtune_qlora_model,
+    torchtune_setup,
+    torchtune_train_step,
+)
+from torchtune_ext.memory._tracker import CATEGORIES, LiveStorageTracker, TrackerResult, count_as_host
+
+__all__ = [
+    "CATEGORIES",
+    "GIB",
+    "DeviceAllowance",
+    "LiveStorageTracker",
+    "MemoryEstimate",
+    "MemoryEstimator",
+    "OffloadedActivations",
+    "OptimizerFactory",
+    "Setup",
+    "TrainStep",
+    "TrackerResult",
+    "accelerator_code_path",
+    "adamw_factory",
+    "count_as_host",
+    "estimate_training_memory",
+    "to_fake_model",
+    "torchtune_qlora_model",
+    "torchtune_setup",
+    "torchtune_train_step",
+]
