@@ -250,9 +250,7 @@ def test_peft_tensors_follow_the_base_weights_layout(model_type):
 # ------------------------------------------------------------------------------------------------ saving
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen"])
-def test_save_writes_peft_adapter_and_merged_model(bases, tmp_path, family):
-    base = bases[(family, "fp32")]
+def _trained(family, base, tmp_path):
     model, checkpointer = _loaded(family, base, tmp_path)
     for name, param in model.named_parameters():
         if "lora_b" in name:
@@ -264,6 +262,13 @@ def test_save_writes_peft_adapter_and_merged_model(bases, tmp_path, family):
         dropout=0.0,
         use_dora=False,
     )
+    return model, checkpointer, adapter_config
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen"])
+def test_save_writes_peft_adapter_and_merged_model(bases, tmp_path, family):
+    base = bases[(family, "fp32")]
+    model, checkpointer, adapter_config = _trained(family, base, tmp_path)
     checkpointer.max_shard_bytes = 2 * 1024**2  # several shards
     state = get_full_state_dict(model, keep_nf4=True, cpu_offload=False)
     step_dir = checkpointer.save(state, step=7, adapter_config=adapter_config, save_merged=True, dtype=torch.bfloat16)
@@ -312,21 +317,6 @@ def test_save_writes_peft_adapter_and_merged_model(bases, tmp_path, family):
             if f"{prefix}.lora_A.weight" in peft:
                 reference = reference + 2.0 * peft[f"{prefix}.lora_B.weight"] @ peft[f"{prefix}.lora_A.weight"]
         torch.testing.assert_close(value, reference.to(torch.bfloat16), rtol=0, atol=0, msg=hf_key)
-
-
-def _trained(family, base, tmp_path):
-    model, checkpointer = _loaded(family, base, tmp_path)
-    for name, param in model.named_parameters():
-        if "lora_b" in name:
-            torch.nn.init.normal_(param, std=0.05)
-    adapter_config = dict(
-        target_modules=["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"],
-        rank=8,
-        alpha=16,
-        dropout=0.0,
-        use_dora=False,
-    )
-    return model, checkpointer, adapter_config
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen"])
