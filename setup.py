@@ -36,10 +36,11 @@ class BuildPyWithPth(build_py):
 setup(
     packages=[
         *find_packages(include=["torchtune_ext", "torchtune_ext.*"]),
+        "torchtune_ext.assets",  # data only (the tiny tokenizer)
         "torchtune_ext.recipes",
         "torchtune_ext.configs",
     ],
     package_dir={"torchtune_ext.recipes": "recipes", "torchtune_ext.configs": "configs"},
-    package_data={"torchtune_ext": ["assets/*"], "torchtune_ext.configs": ["**/*.yaml"]},
+    package_data={"torchtune_ext.assets": ["*"], "torchtune_ext.configs": ["**/*.yaml"]},
     cmdclass={"build_py": BuildPyWithPth},
 )
