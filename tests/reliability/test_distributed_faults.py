@@ -133,4 +133,6 @@ def test_rank_killed_without_launcher_makes_the_other_exit(tmp_path, base):
         raise
     assert rc != 0
     assert_no_leftovers(runs)
-    assert "Connection closed by peer" in runs[0].output, runs[0].output[-3000:]
+    # gloo reports the dead peer as a closed or a reset connection, depending on when the kill lands.
+    peer_gone = ("Connection closed by peer", "Connection reset by peer")
+    assert any(text in runs[0].output for text in peer_gone), runs[0].output[-3000:]
