@@ -134,7 +134,6 @@ def _assert_equal(ours: Dict[str, torch.Tensor], theirs: Dict[str, torch.Tensor]
 def _worker(rank: int, port: int, repeats: int, result_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(minutes=30))
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -142,7 +141,14 @@ def _worker(rank: int, port: int, repeats: int, result_path: str) -> None:
     )
     from torchtune.training import gather_cpu_state_dict, load_from_full_model_state_dict
 
-    from torchtune_ext.distributed import get_full_state_dict, load_full_state_dict
+    from torchtune_ext.distributed import (
+        destroy_distributed,
+        get_full_state_dict,
+        init_distributed,
+        load_full_state_dict,
+    )
+
+    init_distributed(torch.device("cpu"), timeout_s=1800)
     from torchtune_ext.nf4 import NF4Tensor
 
     is_rank_zero = rank == 0
@@ -203,7 +209,7 @@ def _worker(rank: int, port: int, repeats: int, result_path: str) -> None:
     if is_rank_zero:
         with open(result_path, "w") as f:
             json.dump(dict(rows=rows, num_params=num_params, num_adapters=len(ours_adapters)), f)
-    dist.destroy_process_group()
+    destroy_distributed()
 
 
 def _free_port() -> int:

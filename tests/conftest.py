@@ -5,7 +5,6 @@ import socket
 import traceback
 from typing import Any, Callable
 
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DIST_TIMEOUT_S = 120
@@ -27,21 +26,19 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
         WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
-    import datetime
-
     import torch
 
+    from torchtune_ext.distributed import destroy_distributed, init_distributed
+
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S)
-    )
+    init_distributed(torch.device("cpu"), DIST_TIMEOUT_S)
     try:
         fn(rank, world_size, *args)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 def run_distributed(fn: Callable, world_size: int = 2, *args: Any) -> None:
