@@ -81,7 +81,7 @@ def destroy_distributed() -> None:
     DTensor work torch's sharding caches keep a ``DeviceMesh`` that does. A worker still dropping the tensors of the
     last collective needs the GIL for each; if the interpreter is finalizing by then, the process aborts with
     "terminate called without an active exception" (a finished run failing at exit). Sleeping
-    :data:`GLOO_DRAIN_S` hands the GIL to them first (measured on 2 ranks: 11 of 40 processes aborted without it,
+    :data:`GLOO_DRAIN_S` hands the GIL to them first (measured: 11 of 40 two-rank runs aborted without it,
     none with it; ``tests/torchtune_ext/distributed/test_launch.py``).
     """
     if not (dist.is_available() and dist.is_initialized()):
