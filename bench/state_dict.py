@@ -147,9 +147,9 @@ def _worker(rank: int, port: int, repeats: int, result_path: str) -> None:
         init_distributed,
         load_full_state_dict,
     )
+    from torchtune_ext.nf4 import NF4Tensor
 
     init_distributed(torch.device("cpu"), timeout_s=1800)
-    from torchtune_ext.nf4 import NF4Tensor
 
     is_rank_zero = rank == 0
     cpu = torch.device("cpu")

@@ -2,10 +2,10 @@
 ``WORLD_SIZE`` (2) and ``MASTER_ADDR`` set. Imports once, then forks one child per port; each child joins a fresh
 gloo group on that port, does DTensor work (torch's sharding caches then hold the group, as after FSDP training),
 a last all-gather whose tensors only gloo's worker still references, ``destroy_distributed()``, and exits through
-the interpreter's finalization. Prints ``trial <i> exit <code>`` per child (a negative code is a signal).
+the interpreter's finalization. Prints ``trial <i> exit <code>`` per child (a negative code is a signal); the first
+child also prints how many gloo worker threads outlive ``destroy_process_group`` (printing hands the GIL over, so
+the later trials do not).
 
-``--probe``: the first child prints how many gloo worker threads outlive ``destroy_process_group`` (printing hands
-the GIL over, so the later trials do not).
 ``--no-drain``: ``dist.destroy_process_group()`` alone, to measure what ``destroy_distributed`` prevents.
 """
 
@@ -46,11 +46,11 @@ def _trial(port: str, probe: bool, drain: bool) -> None:
 
 def main() -> None:
     ports = sys.argv[1].split(",")
-    probe, drain = "--probe" in sys.argv, "--no-drain" not in sys.argv
+    drain = "--no-drain" not in sys.argv
     for i, port in enumerate(ports):
         pid = os.fork()
         if pid == 0:
-            _trial(port, probe and i == 0, drain)
+            _trial(port, probe=i == 0, drain=drain)
             sys.exit(0)  # the child ends as a process does: atexit, then finalization
         _, status = os.waitpid(pid, 0)
         print(f"trial {i} exit {os.waitstatus_to_exitcode(status)}", flush=True)

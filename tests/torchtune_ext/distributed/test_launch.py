@@ -13,12 +13,12 @@ TRIALS_SCRIPT = Path(__file__).with_name("gloo_exit_trials.py")
 TRIALS = 12
 
 
-def _run_trials(ports: List[int], *flags: str) -> List[str]:
+def _run_trials(ports: List[int]) -> List[str]:
     """Both ranks of ``gloo_exit_trials.py``; returns each rank's stdout."""
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
     ranks = [
         subprocess.Popen(
-            [sys.executable, str(TRIALS_SCRIPT), ",".join(map(str, ports)), *flags],
+            [sys.executable, str(TRIALS_SCRIPT), ",".join(map(str, ports))],
             env={**env, "RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -38,7 +38,7 @@ def test_processes_exit_cleanly_after_destroy_distributed():
     ("terminate called without an active exception"): in CI, a finished 2-node run failed at exit. The workers do
     outlive ``destroy_process_group`` here (torch's DTensor caches hold the group); without the drain in
     ``destroy_distributed``, 5 of 20 such processes (10 trials, ``--no-drain``) aborted. With it, all exit 0."""
-    stdouts = _run_trials([free_port() for _ in range(TRIALS)], "--probe")
+    stdouts = _run_trials([free_port() for _ in range(TRIALS)])
     for stdout in stdouts:
         assert "gloo threads after destroy: 2" in stdout, stdout
     results = [line for stdout in stdouts for line in stdout.splitlines() if " exit " in line]
