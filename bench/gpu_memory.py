@@ -3,7 +3,7 @@ tensors, ``QLoRARecipe.memory_estimator``) and measured (``torch.cuda.max_memory
 run, for the settings the estimate is used for (bf16 / fp16 / fp32, activation offloading, tiled MLP).
 
 The model is a random-weight HF checkpoint of the given config's shape (written once into ``--cache``), loaded by
-the recipe's own set-up; each measured step is the recipe's ``_forward_backward`` + ``_optimizer_step`` on
+the recipe's own set-up; each measured step is the recipe's ``forward_backward`` + ``optimizer_step`` on
 ``batch x seq`` random tokens, all of them labels (the estimate's batch). Prints one line per setting::
 
     python bench/gpu_memory.py --config configs/llama3_2/1B_qlora_single_device.yaml --seq 2048 --steps 3
@@ -92,8 +92,8 @@ def _measure(recipe, cfg, batch: int, seq: int, steps: int) -> tuple:
     start = time.perf_counter()
     for _ in range(steps):
         tokens = torch.randint(0, vocab, (batch, seq), device=device)
-        _, batch_tokens = recipe._forward_backward({"tokens": tokens, "labels": tokens.clone()})
-        recipe._optimizer_step(batch_tokens)
+        _, batch_tokens = recipe.forward_backward({"tokens": tokens, "labels": tokens.clone()})
+        recipe.optimizer_step(batch_tokens)
     if device.type != "cuda":
         return None, None, (time.perf_counter() - start) / steps
     torch.cuda.synchronize()

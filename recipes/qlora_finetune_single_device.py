@@ -1,5 +1,15 @@
 """QLoRA fine-tuning on one device (CUDA, CPU, ...) with an fp32, bf16 or fp16 compute dtype.
 
+To hack it, copy it and edit the step below (:meth:`QLoRAFinetuneRecipeSingleDevice.loss_step`,
+``forward_backward``, ``optimizer_step``), then run the copy::
+
+    tune-ext cp qlora_finetune_single_device my_recipe.py
+    tune run my_recipe.py --config configs/tiny/qlora_single_device.yaml
+
+The setup (in order) and the loop (:meth:`QLoRARecipe.train`) are in the library class
+:class:`torchtune_ext.training.QLoRARecipe`, which the distributed recipe shares: one loop for any world size
+(``docs/hacking.md`` says why, and what else can be overridden).
+
 Run from a clone (``python recipes/qlora_finetune_single_device.py --config ...`` works too), or by name after a
 ``pip install`` (``tune-ext run qlora_finetune_single_device --config llama3_2/1B_qlora_single_device``)::
 
@@ -44,7 +54,9 @@ before anything is written.
 """
 
 import sys
+from typing import Dict, Tuple
 
+import torch
 from omegaconf import DictConfig
 from torchtune import config
 
@@ -57,9 +69,13 @@ class QLoRAFinetuneRecipeSingleDevice(QLoRARecipe):
     What runs, in order (``QLoRARecipe.setup``): seed; checkpointer, model on the meta device (checked against the
     checkpoint's headers), tokenizer, loss, data sets; data and resume checks; then, writing: the model (vocab
     pruning, trainable params, activation checkpointing, compile, the base streamed in and quantized, adapters
-    initialised or resumed), optimizer, loss scaler, data loaders, LR schedule. One optimizer step
-    (``QLoRARecipe.train``): per micro-batch, ``loss * label_tokens`` scaled and back-propagated; then the gradients
-    divided by the step's label tokens, unscaled, clipped, and the optimizer steps (fp16 overflow: skipped).
+    initialised or resumed), optimizer, loss scaler, data loaders, LR schedule. Then ``QLoRARecipe.train``: per
+    micro-batch :meth:`forward_backward` (which calls :meth:`loss_step`), every ``gradient_accumulation_steps``
+    micro-batches :meth:`optimizer_step`; logs, validation and checkpoints at their intervals.
+
+    The three methods below are the step; each calls the library's version. Edit them in your copy. What they can
+    use, set up by ``setup``: ``self._model``, ``self._loss_fn``, ``self._optimizer``, ``self._trainable_params``
+    (the adapters), ``self._loss_scaler`` (fp16), ``self._lr_scheduler``, ``self.global_step``.
 
     Args:
         cfg (DictConfig): the parsed config.
@@ -69,6 +85,36 @@ class QLoRAFinetuneRecipeSingleDevice(QLoRARecipe):
         RuntimeError: on bf16 where the device does not support it.
     """
 
+    def loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and loss of one micro-batch: the mean over its label tokens. Training and validation call it.
+
+        The place to change the objective. For example an L2 penalty on the adapters, in training only::
+
+            loss = super().loss_step(batch)
+            if self._model.training:
+                loss = loss + 1e-3 * sum(p.pow(2).sum() for p in self._trainable_params)
+            return loss
+        """
+        return super().loss_step(batch)
+
+    def forward_backward(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch: ``loss_step(batch)`` times its label-token count, scaled (fp16), back-propagated.
+
+        Returns:
+            Tuple[torch.Tensor, torch.Tensor]: the weighted loss (detached) and the label-token count.
+        """
+        return super().forward_backward(batch)
+
+    def optimizer_step(self, num_tokens: torch.Tensor) -> Tuple[Dict[str, float], float]:
+        """The update, once per ``gradient_accumulation_steps`` micro-batches: the gradients divided by
+        ``num_tokens``, unscaled (fp16), clipped (``clip_grad_norm``); the optimizer and LR schedule step; the
+        gradients are zeroed. E.g. to inspect or change the gradients, do it before calling ``super()``.
+
+        Returns:
+            Tuple[Dict[str, float], float]: the step's metrics (logged) and its label-token count.
+        """
+        return super().optimizer_step(num_tokens)
+
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
@@ -76,11 +122,11 @@ def recipe_main(cfg: DictConfig) -> None:
     config.log_config(recipe_name="QLoRAFinetuneRecipeSingleDevice", cfg=cfg)
     recipe = QLoRAFinetuneRecipeSingleDevice(cfg=cfg)
     if cfg.get("dry_run", False):
-        recipe.dry_run(cfg)  # the memory estimate only: no weights, no data, nothing written
+        recipe.dry_run(cfg)  # the memory estimate only (of this class's step): no weights, no data, nothing written
         return
-    recipe.setup(cfg=cfg)
-    recipe.train()
-    recipe.cleanup()
+    recipe.setup(cfg=cfg)  # checks everything, then builds: model, data, optimizer, schedule, resumed state
+    recipe.train()  # the loop: forward_backward per micro-batch, optimizer_step per step, logs, validation, saves
+    recipe.cleanup()  # closes the logger, prints the summary
 
 
 if __name__ == "__main__":

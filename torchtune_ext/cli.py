@@ -6,7 +6,7 @@ package, so that a plain ``pip install`` (no clone) runs them by name::
     tune-ext run qlora_finetune_single_device --config llama3_2/1B_qlora_single_device dtype=fp32
     tune-ext run --nproc_per_node 2 qlora_finetune_distributed --config tiny/qlora_distributed
     tune-ext cp llama3_2/1B_qlora_single_device my_config.yaml   # then: tune-ext run <recipe> --config my_config.yaml
-    tune-ext cp qlora_finetune_single_device my_recipe.py        # then: tune-ext run my_recipe.py --config ...
+    tune-ext cp qlora_finetune_single_device my_recipe.py        # edit its step; then: tune run my_recipe.py --config
 
 ``run`` takes torchrun's flags before the recipe, as ``tune run`` does (``--nproc_per_node``, ``--nnodes``,
 ``--rdzv_endpoint``, ...); recipes and configs are names from ``tune-ext ls`` or paths to files.
@@ -76,6 +76,16 @@ def _ls(args: argparse.Namespace) -> None:
             print(f"{recipe if i == 0 else '':<32} {name}")
 
 
+#: printed after copying a recipe (``docs/hacking.md`` says more).
+_HACK_HINT = """\
+The step is three methods of the recipe class, each calling the library's version (torchtune_ext.training.QLoRARecipe,
+which holds the setup and the loop that both recipes share); override them in {recipe}:
+  loss_step(batch)             forward and loss (the objective: add a regulariser here)
+  forward_backward(batch)      one micro-batch: weighted loss, fp16 scaling, backward
+  optimizer_step(num_tokens)   the update: normalise, unscale, clip, step, zero the gradients
+Run it with: tune run {recipe} --config <config.yaml>   (see docs/hacking.md)"""
+
+
 def _cp(args: argparse.Namespace) -> None:
     recipes, configs = recipe_files(), config_files()
     key = args.file[: -len(".yaml")] if args.file.endswith(".yaml") else args.file
@@ -95,6 +105,8 @@ def _cp(args: argparse.Namespace) -> None:
         destination.parent.mkdir(parents=True)
     shutil.copyfile(source, destination)
     print(f"Copied {source} to {destination}")
+    if source.suffix == ".py":  # [issue 16] how to hack a recipe
+        print(_HACK_HINT.format(recipe=destination))
 
 
 class _RunOurs(Run):

@@ -326,7 +326,7 @@ def test_adapter_grads_are_fp32(base, workdir, dtype, loss):
     recipe = module.QLoRAFinetuneRecipeSingleDevice(cfg)
     recipe.setup(cfg)
     batch = next(iter(recipe._dataloader))
-    recipe._loss_step(batch).backward()
+    recipe.loss_step(batch).backward()
     adapters = recipe._adapter_params
     assert adapters and all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters.values())
     assert all(p.dtype == torch.float32 for p in adapters.values())
@@ -353,12 +353,12 @@ def _check_loss_step(recipe, batch: Dict[str, torch.Tensor]) -> None:
         expected = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=ignore
         )
-        ours = recipe._loss_step(dict(batch))
+        ours = recipe.loss_step(dict(batch))
     assert (labels[:, 1:] != ignore).any()
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
 
     recipe._optimizer.zero_grad(set_to_none=True)
-    no_labels = recipe._loss_step({"tokens": tokens, "labels": torch.full_like(labels, ignore)})
+    no_labels = recipe.loss_step({"tokens": tokens, "labels": torch.full_like(labels, ignore)})
     assert no_labels.item() == 0.0
     no_labels.backward()
     grads = [p.grad for p in recipe._adapter_params.values() if p.grad is not None]

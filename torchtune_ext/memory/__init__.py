@@ -9,7 +9,7 @@ The model, its set-up, the loss, the optimizer and the step are all arguments, a
 required: an estimate runs a recipe's own code, never an imitation of it. Our recipe hands its own over in
 ``torchtune_ext.training.QLoRARecipe.memory_estimator(cfg)``: the model built from the config's ``model:`` section
 on meta, prepared as for training (trainable adapters, activation checkpointing, the loss, activation offloading as
-:class:`OffloadedActivations`), and the recipe's ``_forward_backward`` / ``_optimizer_step`` with its configured
+:class:`OffloadedActivations`), and the recipe's ``forward_backward`` / ``optimizer_step`` with its configured
 optimizer, so that its settings (16-bit frozen weights under fp32, a loss that never holds the logits, activation
 offloading) show in the estimate without changes here. From the command line, ``dry_run=True`` prints it::
 

@@ -3,7 +3,7 @@
 
 A recipe passes its own, so that the estimate runs exactly its code: ours does in
 ``torchtune_ext.training.QLoRARecipe.memory_estimator`` (its ``_prepare_model`` and ``_setup_loss``, its
-``_forward_backward`` and ``_optimizer_step``, its configured optimizer). This module holds the peer the
+``forward_backward`` and ``optimizer_step``, its configured optimizer). This module holds the peer the
 benchmarks compare against, torchtune 0.6.1's ``lora_finetune_single_device`` recipe: its model
 (:func:`torchtune_qlora_model`), its set-up of that model (:func:`torchtune_setup`), its step
 (:func:`torchtune_train_step`) and its optimizer (:func:`adamw_factory` with ``trainable_only=False``).

@@ -18,6 +18,14 @@ one optimizer step (:meth:`QLoRARecipe.train`): for each of ``gradient_accumulat
 (a mean over label tokens) times the micro-batch's label-token count, scaled (fp16) and back-propagated; then the
 gradients are divided by the step's global label-token count (all ranks, all micro-batches), unscaled, clipped, and
 the optimizer steps (unless fp16 overflowed); logs, validation and checkpoints follow at their intervals.
+
+Hacking a recipe: the step is three public methods a copied recipe overrides (``tune-ext cp
+qlora_finetune_single_device my_recipe.py``, see ``docs/hacking.md``): :meth:`QLoRARecipe.loss_step` (forward and
+loss: the objective), :meth:`QLoRARecipe.forward_backward` (one micro-batch) and :meth:`QLoRARecipe.optimizer_step`
+(the update). The loop lives here, in one library class, rather than in the recipe file because both recipes run
+it (one loop for any world size, as torchtitan's ``Trainer``; torchtune's two recipes copy 647 of 808 lines and
+drift), and a recipe file that imported another recipe would be loaded twice under two module names
+(``recipes.<name>`` in a clone, ``torchtune_ext.recipes.<name>`` installed).
 """
 
 from __future__ import annotations
@@ -101,6 +109,11 @@ def _seed_everything(seed: int) -> None:
 
 class QLoRARecipe(FTRecipeInterface):
     """QLoRA fine-tuning on one rank or many; see the module docstring for the order of setup and the training step.
+
+    Subclass it to hack the step: override :meth:`loss_step`, :meth:`forward_backward` or :meth:`optimizer_step`
+    (``recipes/qlora_finetune_single_device.py`` shows how). They read the components set up by :meth:`setup`:
+    ``self._model``, ``self._loss_fn``, ``self._optimizer``, ``self._trainable_params``, ``self._loss_scaler``,
+    ``self._lr_scheduler`` (the attributes listed below).
 
     Args:
         cfg (DictConfig): the parsed config.
@@ -552,8 +565,18 @@ class QLoRARecipe(FTRecipeInterface):
             batch["tokens"] = nn.functional.pad(batch["tokens"], (0, extra), value=self._tokenizer.pad_id)
             batch["labels"] = nn.functional.pad(batch["labels"], (0, extra), value=self._loss_fn.ignore_index)
 
-    def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """The mean loss over the batch's label tokens (0 if it has none)."""
+    def loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mean loss over the batch's label tokens (0 if it has none): forward and loss, no backward. Override
+        it to change the objective (a regulariser, another loss); training and validation both call it (check
+        ``self._model.training`` for a training-only term).
+
+        Args:
+            batch (Dict[str, torch.Tensor]): ``tokens`` and ``labels`` (unshifted), on the device; ``labels`` is
+                popped.
+
+        Returns:
+            torch.Tensor: a scalar, the mean over label tokens.
+        """
         self._pad_batch(batch)
         labels = shifted_labels(batch.pop("labels"), self._loss_fn.ignore_index)
         with self._activation_offloading:
@@ -581,26 +604,36 @@ class QLoRARecipe(FTRecipeInterface):
                 break
             utils.batch_to_device(batch, self._device)
             num_tokens = int((batch["labels"] != self._loss_fn.ignore_index).sum())
-            total += float(self._loss_step(batch)) * num_tokens
+            total += float(self.loss_step(batch)) * num_tokens
             count += num_tokens
         self._model.train()
         sums = all_reduce_sum(torch.tensor([total, count], dtype=torch.float64))
         return float(sums[0] / sums[1].clamp(min=1))
 
-    def _forward_backward(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward_backward(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """One micro-batch: its loss weighted by its label-token count (the loss is a mean over tokens; the step
-        then normalises the sum over all micro-batches and ranks), scaled (fp16) and back-propagated.
+        then normalises the sum over all micro-batches and ranks), scaled (fp16) and back-propagated. Override it to
+        change what a micro-batch does around the loss (e.g. several forward passes); :meth:`loss_step` is the
+        place for the objective itself.
+
+        Args:
+            batch (Dict[str, torch.Tensor]): ``tokens`` and ``labels``, on the device.
 
         Returns:
             Tuple[torch.Tensor, torch.Tensor]: the weighted loss (detached) and the label-token count.
         """
         batch_tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
-        loss = self._loss_step(batch) * batch_tokens
+        loss = self.loss_step(batch) * batch_tokens
         self._loss_scaler.scale(loss).backward()
         return loss.detach(), batch_tokens
 
-    def _optimizer_step(self, num_tokens: torch.Tensor) -> Tuple[Dict[str, float], float]:
-        """Normalises the gradients by the step's global label-token count, clips, steps and zeroes them.
+    def optimizer_step(self, num_tokens: torch.Tensor) -> Tuple[Dict[str, float], float]:
+        """Normalises the gradients by the step's global label-token count, clips, steps and zeroes them. Override
+        it to change the update (e.g. gradient surgery before ``super().optimizer_step``); called once per
+        ``gradient_accumulation_steps`` micro-batches, on every rank (keep its collectives).
+
+        Args:
+            num_tokens (torch.Tensor): this rank's label tokens over the step's micro-batches.
 
         Returns:
             Tuple[Dict[str, float], float]: step metrics (grad norm; loss scale and skipped steps in fp16) and
@@ -669,7 +702,7 @@ class QLoRARecipe(FTRecipeInterface):
                 if self._steps_in_epoch_done >= self._steps_per_epoch:
                     break
                 utils.batch_to_device(batch, self._device)
-                loss, batch_tokens = self._forward_backward(batch)
+                loss, batch_tokens = self.forward_backward(batch)
                 num_tokens += batch_tokens
                 throughput.add(batch_tokens)
                 running_loss += loss
@@ -677,7 +710,7 @@ class QLoRARecipe(FTRecipeInterface):
                 if micro_batches % self._gradient_accumulation_steps != 0:
                     continue
 
-                step_metrics, global_tokens = self._optimizer_step(num_tokens)
+                step_metrics, global_tokens = self.optimizer_step(num_tokens)
                 self._train_tokens += global_tokens
                 self._train_seconds += time.perf_counter() - step_start
                 self.global_step += 1
@@ -839,8 +872,8 @@ class QLoRARecipe(FTRecipeInterface):
             return self._optimizer
 
         def step(fake_model: nn.Module, loss_fn: Any, optimizer: Any, batch: Dict[str, torch.Tensor]) -> None:
-            _, batch_tokens = self._forward_backward(batch)
-            self._optimizer_step(batch_tokens)
+            _, batch_tokens = self.forward_backward(batch)
+            self.optimizer_step(batch_tokens)
 
         return MemoryEstimator(
             model,
