@@ -129,7 +129,7 @@ def _torchtune_estimator(model_name: str, dtype_name: str, lora: Dict[str, Any],
         torchtune_setup,
         torchtune_train_step,
     )
-    from torchtune_ext.training._recipe import RECIPE_ALLOWANCE
+    from torchtune_ext.training import RECIPE_ALLOWANCE
 
     family, name = MODELS[model_name][1].split(".")
     builder = getattr(importlib.import_module(f"torchtune.models.{family}"), name)

@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 from torchtune import config
+from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from torchtune_ext.distributed import (
     check_fsdp_cpu_offload,
@@ -106,7 +107,7 @@ class QLoRAFinetuneRecipeDistributed(QLoRARecipe):
     def _setup_loss(self) -> None:
         super()._setup_loss()
         pruning_cfg = self._vocab_pruning_cfg
-        chunked = self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss"
+        chunked = isinstance(self._loss_fn, CEWithChunkedOutputLoss)
         if chunked and pruning_cfg is not None and pruning_cfg["sharding"] == "sharded":
             # torchtune's loss: the output is projected chunk by chunk, each chunk a call of the pruning module's
             # own FSDP unit (an all-gather): every rank must make the same number of calls, whatever its sequence

@@ -20,7 +20,10 @@ torchao, applies the aliases and registrations, and lets torchtune's import proc
 imported first. Rejected: ``sitecustomize`` (one per environment, owned by the environment), a wrapper of the
 ``tune`` script (users type ``tune``), entry points (torchtune 0.6.1 loads none).
 
-The same finder fixes ``tune run recipes/<recipe>.py`` from a clone: ``tune`` turns the path into the module
+The same finder gives ``torchao.dtypes.nf4tensor`` (where torchao < 0.18 kept NF4Tensor, and torchtune 0.6.1 and
+its tests import it from) on a torchao that moved it, imported first or after torchtune alike.
+
+It also fixes ``tune run recipes/<recipe>.py`` from a clone: ``tune`` turns the path into the module
 ``recipes.<recipe>`` and appends the working folder to ``sys.path``, after site-packages, where torchtune installs a
 placeholder ``recipes`` package whose ``__init__`` only raises ("The torchtune recipes directory isn't a
 package"). When that placeholder is what ``import recipes`` would find and the working folder has a
@@ -114,11 +117,8 @@ def _apply_torchao_aliases() -> None:
     import torchao.quantization
 
     # torchtune/modules/common_utils.py and four more modules: `from torchao.dtypes.nf4tensor import ...`;
-    # torchao 0.18 moved the module (same NF4Tensor class, ops table and FSDP hooks).
-    try:
-        importlib.import_module(_NF4_MODULES[0])
-    except ImportError:
-        _alias_module(_NF4_MODULES[0], importlib.import_module(_NF4_MODULES[1]))
+    # torchao 0.18 moved the module: the finder (_CompatFinder, _MovedModule) gives the new one under the old name,
+    # whatever the import order.
     # torchtune/training/quantization.py imports these three at module level (for its PTQ quantizers).
     # int4_weight_only: removed in 0.16, a constructor of Int4WeightOnlyConfig until then.
     if not hasattr(torchao.quantization, "int4_weight_only"):
@@ -198,7 +198,9 @@ def _torchtune_recipes_placeholder() -> Optional[Path]:
 
 class _CompatFinder(importlib.abc.MetaPathFinder):
     """Applies :func:`apply` before the first ``import torchtune``; resolves ``recipes`` to the working folder's
-    package where torchtune's placeholder would shadow it. Finds nothing itself otherwise."""
+    package where torchtune's placeholder would shadow it; gives torchao's NF4 module under its old name
+    (``torchao.dtypes.nf4tensor``, which torchtune and its tests import) where the installed torchao moved it.
+    Finds nothing itself otherwise."""
 
     def find_spec(
         self, fullname: str, path: Optional[Sequence[str]], target: Optional[types.ModuleType] = None
@@ -207,7 +209,26 @@ class _CompatFinder(importlib.abc.MetaPathFinder):
             apply()
         elif fullname == "recipes":
             return _local_recipes_spec()
+        elif fullname == _NF4_MODULES[0] and importlib.machinery.PathFinder.find_spec(fullname, path) is None:
+            return importlib.machinery.ModuleSpec(fullname, _MovedModule(_NF4_MODULES[1]))
         return None
+
+
+class _MovedModule(importlib.abc.Loader):
+    """Loads a module that torchao moved: the import gives the module at its new name (the same module object,
+    so the same classes and ops table), after :func:`apply`."""
+
+    def __init__(self, new_name: str) -> None:
+        self.new_name = new_name
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        # The import system returns what sys.modules holds under the name once this returns; set before apply(),
+        # which imports the name again.
+        _alias_module(module.__name__, importlib.import_module(self.new_name))
+        apply()
 
 
 class _NoRecipesHere(importlib.abc.Loader):

@@ -33,10 +33,17 @@ def test_hook_is_installed_at_start_up_without_importing_torch():
 
 @pytest.mark.parametrize(
     "first",
-    ["import torchtune", "import torchtune_ext.modules", "import torchtune.training.quantization"],
+    [
+        "import torchtune",
+        "import torchtune_ext.modules",
+        "import torchtune.training.quantization",
+        "import torchao.dtypes.nf4tensor",  # torchtune's tests' path, before anything of torchtune or ours
+        "from torchao.dtypes import nf4tensor",
+    ],
 )
 def test_torchtune_imports_whichever_comes_first(first):
-    # torchtune's own imports of the names torchao moved or dropped (modules/common_utils.py, training/*).
+    # torchtune's own imports of the names torchao moved or dropped (modules/common_utils.py, training/*); torchao
+    # 0.18 moved torchao.dtypes.nf4tensor, which the compat finder gives under the old name in any import order.
     code = (
         f"{first}\n"
         "import torchtune, torchtune.training.quantization\n"

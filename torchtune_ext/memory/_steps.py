@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.optim import AdamW, Optimizer
 from torchtune import modules, training
+from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 #: ``step(model, loss_fn, optimizer, batch)``: one full training step (forward, loss, backward, optimizer step).
@@ -40,7 +41,7 @@ def torchtune_setup(model: nn.Module, loss_fn: Any, activation_checkpointing: bo
     set_trainable_params(model, get_adapter_params(model))
     if activation_checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-    if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+    if isinstance(loss_fn, CEWithChunkedOutputLoss):
         model.set_num_output_chunks(loss_fn.num_output_chunks)
 
 

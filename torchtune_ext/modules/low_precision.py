@@ -30,10 +30,11 @@ from torchtune_ext.nf4 import (
     NF4Tensor,
     check_float_dtype,
     check_nf4_shape,
+    decode_nf4_,
     dequantize_nf4,
+    dequantize_nf4_scalers,
     quantize_nf4,
 )
-from torchtune_ext.nf4._codec import _decode_, _dequantize_scalers
 
 # CPU linear_nf4 dequantizes slabs of about this many weights (at least _MIN_SLAB_DIM rows/columns) per matmul.
 _CPU_SLAB_NUMEL = 1 << 22
@@ -61,13 +62,13 @@ def _slab_buffers(weight: NF4Tensor, shape: Tuple[int, int], dtype: torch.dtype)
 def _linear_slabs(x: torch.Tensor, weight: NF4Tensor, rows: int) -> torch.Tensor:
     """``x @ dequant(W).T`` in ``x.dtype``, a slab of ``rows`` rows of W at a time (never the whole dense W)."""
     out_dim, in_dim = weight.shape
-    scalers = _dequantize_scalers(weight).view(out_dim, in_dim // weight.block_size)
+    scalers = dequantize_nf4_scalers(weight).view(out_dim, in_dim // weight.block_size)
     packed = weight.quantized_data.view(torch.uint16).view(out_dim, in_dim // 4)
     out = torch.empty(x.shape[0], out_dim, dtype=x.dtype, device=x.device)
     decoded, slab = _slab_buffers(weight, (rows, in_dim), x.dtype)
     for start in range(0, out_dim, rows):
         stop = min(start + rows, out_dim)
-        _decode_(weight, packed[start:stop], scalers[start:stop], decoded[: stop - start])
+        decode_nf4_(weight, packed[start:stop], scalers[start:stop], decoded[: stop - start])
         if slab is not decoded:
             slab[: stop - start].copy_(decoded[: stop - start])
         torch.mm(x, slab[: stop - start].t(), out=out[:, start:stop])
@@ -78,7 +79,7 @@ def _grad_input_slabs(grad: torch.Tensor, weight: NF4Tensor, cols: int) -> torch
     """``grad @ dequant(W)`` in ``grad.dtype``, a slab of ``cols`` columns of W at a time."""
     out_dim, in_dim = weight.shape
     block_size = weight.block_size
-    scalers = _dequantize_scalers(weight).view(out_dim, in_dim // block_size)
+    scalers = dequantize_nf4_scalers(weight).view(out_dim, in_dim // block_size)
     packed = weight.quantized_data.view(torch.uint16).view(out_dim, in_dim // 4)
     grad_input = torch.empty(grad.shape[0], in_dim, dtype=grad.dtype, device=grad.device)
     decoded, slab = _slab_buffers(weight, (out_dim * cols,), grad.dtype)
@@ -86,7 +87,8 @@ def _grad_input_slabs(grad: torch.Tensor, weight: NF4Tensor, cols: int) -> torch
         stop = min(start + cols, in_dim)
         width = stop - start
         piece = decoded[: out_dim * width].view(out_dim, width)
-        _decode_(weight, packed[:, start // 4 : stop // 4], scalers[:, start // block_size : stop // block_size], piece)
+        blocks = slice(start // block_size, stop // block_size)
+        decode_nf4_(weight, packed[:, start // 4 : stop // 4], scalers[:, blocks], piece)
         if slab is not decoded:
             slab[: out_dim * width].copy_(decoded[: out_dim * width])
         torch.mm(grad, slab[: out_dim * width].view(out_dim, width), out=grad_input[:, start:stop])

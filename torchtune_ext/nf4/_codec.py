@@ -357,8 +357,16 @@ def _quad_lut(nf4_values: torch.Tensor) -> torch.Tensor:
     return lut
 
 
-def _dequantize_scalers(weight: NF4Tensor) -> torch.Tensor:
-    # torchao's NF4Tensor.dequantize_scalers, op for op (same dtypes, same rounding).
+def dequantize_nf4_scalers(weight: NF4Tensor) -> torch.Tensor:
+    """The block scales of ``weight``, flat, in its dtype: torchao's ``NF4Tensor.dequantize_scalers``, op for op
+    (same dtypes, same rounding).
+
+    Args:
+        weight (NF4Tensor): the quantized weight.
+
+    Returns:
+        torch.Tensor: one scale per block of ``weight.block_size`` values.
+    """
     quantized = weight.quantized_scalers.view(-1, weight.scaler_block_size)
     scalers = (quantized / weight.quantization_factor.unsqueeze(-1)).flatten().to(weight.dtype)
     return scalers + weight.scaler_mean
@@ -394,7 +402,7 @@ def dequantize_nf4(weight: NF4Tensor, dtype: Optional[torch.dtype] = None) -> to
 
 def _dequantize_into(weight: NF4Tensor, out_blocks: torch.Tensor) -> None:
     """Writes ``dequantize_nf4(weight)`` into ``out_blocks`` of shape ``(n_blocks, block_size)``."""
-    scalers = _dequantize_scalers(weight)
+    scalers = dequantize_nf4_scalers(weight)
     # numel is a multiple of 64 * 256, so the packed bytes always pair up; block_size is a multiple of 4.
     packed = weight.quantized_data.view(torch.uint16)
     n_blocks, block_size = out_blocks.shape
@@ -407,12 +415,12 @@ def _dequantize_into(weight: NF4Tensor, out_blocks: torch.Tensor) -> None:
     for start in range(0, n_blocks, chunk):
         stop = min(start + chunk, n_blocks)
         values = out_blocks[start:stop] if staging is None else staging[: stop - start]
-        _decode_(weight, packed[start * quads : stop * quads], scalers[start:stop], values)
+        decode_nf4_(weight, packed[start * quads : stop * quads], scalers[start:stop], values)
         if staging is not None:
             out_blocks[start:stop].copy_(values)
 
 
-def _decode_(weight: NF4Tensor, packed: torch.Tensor, scalers: torch.Tensor, out: torch.Tensor) -> None:
+def decode_nf4_(weight: NF4Tensor, packed: torch.Tensor, scalers: torch.Tensor, out: torch.Tensor) -> None:
     """Dequantizes a block-aligned piece of ``weight`` into ``out`` (contiguous, ``weight.dtype``).
 
     Args:

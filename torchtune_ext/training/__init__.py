@@ -2,6 +2,9 @@
 loss scaling, memory and throughput metrics, and the config settings the recipes read."""
 
 from torchtune_ext._dtype import DTYPES, is_bf16_supported, parse_dtype
+
+# torchtune.training re-exports its distributed state-dict helpers; ours live in torchtune_ext.distributed.
+from torchtune_ext.distributed import get_full_state_dict
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
 from torchtune_ext.training._metrics import (
     Throughput,
@@ -52,6 +55,7 @@ __all__ = [
     "format_memory_stats",
     "frozen_weights_dtype",
     "gather_memory_stats",
+    "get_full_state_dict",
     "is_bf16_supported",
     "memory_stats",
     "parse_dtype",

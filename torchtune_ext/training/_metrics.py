@@ -11,7 +11,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from torchtune_ext.distributed._utils import group_device
+from torchtune_ext.distributed import group_device
 
 _GIB = 1024**3
 

@@ -49,6 +49,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
+from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
@@ -460,7 +461,7 @@ class QLoRARecipe(FTRecipeInterface):
             return
         if self._compile:
             self._loss_fn = training.compile_loss(self._loss_fn)
-        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+        if isinstance(self._loss_fn, CEWithChunkedOutputLoss):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
 
     # --------------------------------------------------------------------------------------------------- data
