@@ -8,11 +8,11 @@ from torchtune_ext.checkpoint._checkpointer import (
     MERGE_BASES,
     MERGED_DIRNAME,
     RECIPE_STATE_DIRNAME,
-    SAFETENSORS_INDEX,
     QLoRAHFCheckpointer,
     resolve_checkpoint_files,
 )
 from torchtune_ext.checkpoint._hf import (
+    SAFETENSORS_INDEX,
     SUPPORTED_MODEL_TYPES,
     HFConverter,
     hf_dtype_fields,

@@ -38,11 +38,12 @@ from torchtune.training.checkpointing._utils import FormattedCheckpointFiles
 from torchtune_ext.checkpoint import _safetensors
 from torchtune_ext.checkpoint._atomic import atomic_directory, atomic_save, check_writable, remove_stale_temporaries
 from torchtune_ext.checkpoint._hf import (
+    SAFETENSORS_INDEX,
     HFConverter,
-    hf_dtype_fields,
     is_adapter_key,
     peft_adapter_config,
     read_hf_config,
+    write_hf_model_files,
     write_json,
 )
 from torchtune_ext.modules.vocab_pruning import is_vocab_key
@@ -50,7 +51,6 @@ from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4
 
 PathLike = Union[str, Path]
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 ADAPTER_DIRNAME = "adapter"
 MERGED_DIRNAME = "merged"
 RECIPE_STATE_DIRNAME = "recipe_state"
@@ -358,21 +358,13 @@ class QLoRAHFCheckpointer:
             keys[hf_key] = key
             specs.append(_safetensors.TensorSpec(hf_key, hf_meta.shape, dtype))
         shards = _safetensors.plan_shards(specs, self.max_shard_bytes)
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
 
-            def tensors(shard=shard):
-                for spec in shard:
-                    key = keys[spec.name]
-                    yield converter.to_hf(key, self._merged_tensor(state, key, dtype, adapter_config, base))
-
-            _safetensors.write_tensors(folder / name, shard, tensors())
+        def tensors(shard):
             for spec in shard:
-                weight_map[spec.name] = name
-                total += spec.nbytes
-        write_json(folder / SAFETENSORS_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        write_json(folder / "config.json", {**self.hf_config, **hf_dtype_fields(dtype)})
+                key = keys[spec.name]
+                yield converter.to_hf(key, self._merged_tensor(state, key, dtype, adapter_config, base))
+
+        write_hf_model_files(folder, shards, tensors, self.hf_config, dtype)  # [issue 16] one HF folder writer
         for src in sorted(self.checkpoint_dir.iterdir()):
             skip = (
                 src.suffix in _WEIGHT_SUFFIXES

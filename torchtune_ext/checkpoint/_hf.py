@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torchtune.models import convert_weights
 from torchtune.models.qwen2._convert_weights import _FROM_HF as _QWEN2_FROM_HF
 from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune_to_hf
+
+from torchtune_ext.checkpoint import _safetensors
+
+#: the index of a sharded safetensors checkpoint.
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 #: model_type -> True when the family stores q/k rows permuted relative to HF (torchtune's interleaved RoPE).
 SUPPORTED_MODEL_TYPES: Dict[str, bool] = {
@@ -243,6 +248,38 @@ def write_json(path: Path, data: Dict[str, Any]) -> None:
         data (Dict[str, Any]): JSON-serialisable data.
     """
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_hf_model_files(
+    folder: Path,
+    shards: Sequence[Sequence[_safetensors.TensorSpec]],
+    tensors: Callable[[Sequence[_safetensors.TensorSpec]], Iterator[Tuple[str, torch.Tensor]]],
+    hf_config: Dict[str, Any],
+    dtype: torch.dtype,
+    single_file: bool = False,
+) -> None:
+    """Writes an HF model folder's weights, one tensor at a time, and its metadata: the shards
+    (``model-0000i-of-0000n.safetensors``) and their index, or one ``model.safetensors``; and ``config.json`` naming
+    ``dtype``. The one writer of HF model folders (merged checkpoints, random bases).
+
+    Args:
+        folder (Path): the folder (callers write into a temporary one and rename it).
+        shards (Sequence[Sequence[_safetensors.TensorSpec]]): the tensors of each file, in order.
+        tensors (Callable[[Sequence[_safetensors.TensorSpec]], Iterator[Tuple[str, torch.Tensor]]]): a shard's
+            ``(name, tensor)`` pairs, in its order.
+        hf_config (Dict[str, Any]): the model's ``config.json`` (its dtype entries are replaced).
+        dtype (torch.dtype): the weights' dtype.
+        single_file (bool): one ``model.safetensors`` and no index (``shards`` must hold one shard).
+    """
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = "model.safetensors" if single_file else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _safetensors.write_tensors(folder / name, shard, tensors(shard))
+        weight_map.update({spec.name: name for spec in shard})
+        total += sum(spec.nbytes for spec in shard)
+    if not single_file:
+        write_json(folder / SAFETENSORS_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(folder / "config.json", {**hf_config, **hf_dtype_fields(dtype)})
 
 
 def llama3_2_hf_config(

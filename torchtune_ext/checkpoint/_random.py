@@ -11,8 +11,8 @@ from torch import nn
 
 from torchtune_ext.checkpoint import _safetensors
 from torchtune_ext.checkpoint._atomic import atomic_directory
-from torchtune_ext.checkpoint._checkpointer import SAFETENSORS_INDEX, base_keys
-from torchtune_ext.checkpoint._hf import HFConverter, hf_dtype_fields, write_json
+from torchtune_ext.checkpoint._checkpointer import base_keys
+from torchtune_ext.checkpoint._hf import HFConverter, write_hf_model_files
 
 PathLike = Union[str, Path]
 _EMBEDDING_KEYS = ("tok_embeddings.weight", "output.weight")
@@ -67,25 +67,13 @@ def write_random_hf_checkpoint(
     ]
     keys = dict(zip([s.name for s in specs], base))
     shards = [specs] if max_shard_size_mb is None else _safetensors.plan_shards(specs, max_shard_size_mb * 1024**2)
+
+    def tensors(shard):
+        for spec in shard:
+            if progress is not None:
+                progress(spec.name)
+            yield converter.to_hf(keys[spec.name], make(keys[spec.name], base[keys[spec.name]].shape))
+
     with atomic_directory(checkpoint_dir) as tmp:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = (
-                "model.safetensors"
-                if max_shard_size_mb is None
-                else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            )
-
-            def tensors(shard=shard):
-                for spec in shard:
-                    if progress is not None:
-                        progress(spec.name)
-                    yield converter.to_hf(keys[spec.name], make(keys[spec.name], base[keys[spec.name]].shape))
-
-            _safetensors.write_tensors(tmp / name, shard, tensors())
-            weight_map.update({spec.name: name for spec in shard})
-        if max_shard_size_mb is not None:
-            total = sum(spec.nbytes for spec in specs)
-            write_json(tmp / SAFETENSORS_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        write_json(tmp / "config.json", {**hf_config, **hf_dtype_fields(dtype)})
+        write_hf_model_files(tmp, shards, tensors, hf_config, dtype, single_file=max_shard_size_mb is None)
     return Path(checkpoint_dir)

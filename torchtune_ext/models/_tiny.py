@@ -4,7 +4,7 @@
 tests); ``qlora_tiny_*`` are their QLoRA versions. Every linear's numel is a multiple of 64 * 256.
 """
 
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 from torchtune.models.llama3_2 import lora_llama3_2
 from torchtune.models.qwen2 import lora_qwen2
@@ -39,85 +39,46 @@ TINY_QWEN_ARGS: Dict[str, Any] = dict(
 )
 
 
-def lora_tiny_llama(
-    lora_attn_modules: List[str],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-    **overrides: Any,
-) -> TransformerDecoder:
-    """A 2-layer, 256-dim Llama 3.2-style LoRA model (tied embeddings, GQA, scaled RoPE).
+#: LoRA settings of the tiny builders unless given (torchtune's builders require ``lora_rank`` and ``lora_alpha``).
+_LORA_DEFAULTS: Dict[str, Any] = dict(lora_rank=8, lora_alpha=16, lora_dropout=0.0, use_dora=False, quantize_base=False)
+
+
+def _tiny_builder(
+    lora_builder: Callable[..., TransformerDecoder], arch: Dict[str, Any], name: str, what: str
+) -> Callable[..., TransformerDecoder]:
+    """A torchtune ``lora_*`` builder with the tiny architecture ``arch`` and :data:`_LORA_DEFAULTS`."""
+
+    def builder(
+        lora_attn_modules: List[str],
+        apply_lora_to_mlp: bool = False,
+        apply_lora_to_output: bool = False,
+        **kwargs: Any,
+    ) -> TransformerDecoder:
+        return lora_builder(
+            lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output, **{**_LORA_DEFAULTS, **arch, **kwargs}
+        )
+
+    builder.__name__ = builder.__qualname__ = name
+    builder.__doc__ = f"""A 2-layer, 256-dim {what} LoRA model.
 
     Args:
         lora_attn_modules (List[str]): attention projections that get LoRA.
         apply_lora_to_mlp (bool): LoRA on the MLP too.
         apply_lora_to_output (bool): LoRA on the output projection (not with tied embeddings).
-        lora_rank (int): LoRA rank.
-        lora_alpha (float): LoRA alpha.
-        lora_dropout (float): LoRA dropout.
-        use_dora (bool): DoRA instead of LoRA.
-        quantize_base (bool): torchtune's NF4 base (torchao's compute path).
-        **overrides: replace any of ``TINY_LLAMA_ARGS`` (e.g. ``vocab_size``).
+        **kwargs: ``lora_rank`` (8), ``lora_alpha`` (16), ``lora_dropout`` (0.0), ``use_dora`` (False),
+            ``quantize_base`` (False: torchtune's NF4 base if True), or any architecture setting to replace.
 
     Returns:
         TransformerDecoder: the model.
     """
-    return lora_llama3_2(
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        apply_lora_to_output,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-        **{**TINY_LLAMA_ARGS, **overrides},
-    )
+    return builder
 
 
-def lora_tiny_qwen(
-    lora_attn_modules: List[str],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-    **overrides: Any,
-) -> TransformerDecoder:
-    """A 2-layer, 256-dim Qwen 2.5-style LoRA model (q/k/v biases, tied embeddings).
-
-    Args:
-        lora_attn_modules (List[str]): attention projections that get LoRA.
-        apply_lora_to_mlp (bool): LoRA on the MLP too.
-        apply_lora_to_output (bool): LoRA on the output projection (not with tied embeddings).
-        lora_rank (int): LoRA rank.
-        lora_alpha (float): LoRA alpha.
-        lora_dropout (float): LoRA dropout.
-        use_dora (bool): DoRA instead of LoRA.
-        quantize_base (bool): torchtune's NF4 base (torchao's compute path).
-        **overrides: replace any of ``TINY_QWEN_ARGS``.
-
-    Returns:
-        TransformerDecoder: the model.
-    """
-    return lora_qwen2(
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        apply_lora_to_output,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-        **{**TINY_QWEN_ARGS, **overrides},
-    )
-
-
+lora_tiny_llama = _tiny_builder(
+    lora_llama3_2, TINY_LLAMA_ARGS, "lora_tiny_llama", "Llama 3.2-style (tied embeddings, GQA, scaled RoPE)"
+)
+lora_tiny_qwen = _tiny_builder(
+    lora_qwen2, TINY_QWEN_ARGS, "lora_tiny_qwen", "Qwen 2.5-style (q/k/v biases, tied embeddings)"
+)
 qlora_tiny_llama = qlora_builder(lora_tiny_llama)
 qlora_tiny_qwen = qlora_builder(lora_tiny_qwen)
