@@ -369,12 +369,17 @@ def get_full_state_dict(
             not exactly one rank has ``is_rank_zero``. Raised on every rank (the checks use every rank's keys).
         TypeError: if a glob argument is neither a str nor a list of str.
 
-    Example:
-        >>> fully_shard(model)  # any FSDP2 / QLoRA model
-        >>> sd = get_full_state_dict(model, dtype="bf16", keep_dtype="vocab_pruning.*")
+    Example (one process; under FSDP2, every rank calls it and rank 0 gets the result):
+        >>> from torchtune_ext.models import qlora_tiny_llama
+        >>> from torchtune_ext.modules import prune_vocab_
+        >>> model = qlora_tiny_llama(["q_proj", "v_proj"], dtype=torch.bfloat16, device="cpu")
+        >>> pruning = prune_vocab_(model, list(range(64)))  # the kept rows train in fp32
+        >>> sd = get_full_state_dict(model, dtype="bf16", keep_dtype="tok_embeddings.*")
+        >>> sd["layers.0.attn.q_proj.weight"].dtype, sd["tok_embeddings.weight"].dtype  # NF4 dequantized
+        (torch.bfloat16, torch.float32)
         >>> adapters = get_full_state_dict(model, adapter_weights_only=True)
-        >>> if dist.get_rank() == 0:
-        ...     torch.save(sd, "model.pt")
+        >>> sorted(adapters)[:2]
+        ['layers.0.attn.q_proj.lora_a.weight', 'layers.0.attn.q_proj.lora_b.weight']
     """
     dtype = parse_dtype(dtype)
     include, ignore = as_patterns(include_keys, "include_keys"), as_patterns(ignore_keys, "ignore_keys")
@@ -454,10 +459,16 @@ def get_model_state_dict(
         ValueError: on both ``include_keys`` and ``ignore_keys``, a pattern that matches nothing, or a non-float
             ``precision``.
 
-    Example:
-        >>> shards = get_model_state_dict(model, sharded_state_dict=True, precision="bf16")
-        >>> torch.distributed.checkpoint.save(shards, checkpoint_id="ckpt/")
+    Example (one process: the "shards" are whole tensors; under FSDP2 they are DTensors, e.g. for
+    ``torch.distributed.checkpoint.save``):
+        >>> from torchtune_ext.models import qlora_tiny_llama
+        >>> model = qlora_tiny_llama(["q_proj", "v_proj"], dtype=torch.bfloat16, device="cpu")
+        >>> shards = get_model_state_dict(model, sharded_state_dict=True, precision="bf16", keep_nf4=True)
+        >>> type(shards["layers.0.attn.q_proj.weight"]).__name__
+        'NF4Tensor'
         >>> full = get_model_state_dict(model, precision=torch.float32, ignore_keys="*.lora_*")
+        >>> full["layers.0.attn.q_proj.weight"].dtype, any("lora" in key for key in full)
+        (torch.float32, False)
     """
     if not sharded_state_dict:
         return get_full_state_dict(

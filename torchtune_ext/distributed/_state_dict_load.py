@@ -251,13 +251,16 @@ def load_full_state_dict(
             them for every rank.
         ValueError: if ``full_sd`` holds DTensors or non-tensors, or rank 0 has no ``full_sd``.
 
-    Example:
-        >>> model = qlora_llama3_2_1b(["q_proj", "v_proj"], device="meta")
-        >>> for layer in model.layers:
-        ...     fully_shard(layer)
-        >>> fully_shard(model)
-        >>> full_sd = load_hf_checkpoint(...) if dist.get_rank() == 0 else None
-        >>> load_full_state_dict(model, full_sd, device="cuda", broadcast_from_rank0=True)
+    Example (one process; with FSDP2, ``fully_shard`` each layer and the model first, and pass
+    ``broadcast_from_rank0=True`` with the state dict on rank 0 only):
+        >>> from torchtune_ext.models import qlora_tiny_llama
+        >>> trained = qlora_tiny_llama(["q_proj", "v_proj"], dtype=torch.bfloat16, device="cpu")
+        >>> full_sd = trained.state_dict()
+        >>> model = qlora_tiny_llama(["q_proj", "v_proj"], dtype=torch.bfloat16)  # on the meta device
+        >>> load_full_state_dict(model, full_sd, device="cpu")
+        <All keys matched successfully>
+        >>> torch.equal(model.layers[0].attn.q_proj.lora_a.weight, trained.layers[0].attn.q_proj.lora_a.weight)
+        True
     """
     rank, world_size = world_info()
     broadcast = broadcast_from_rank0 and world_size > 1

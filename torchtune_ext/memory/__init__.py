@@ -1,6 +1,6 @@
 """Know before you start whether it fits: the peak device memory of a QLoRA training step, without a GPU.
 
-:class:`MemoryEstimator` (or :func:`estimate_training_memory` for one shape) runs a recipe's own training step
+:class:`MemoryEstimator` runs a recipe's own training step
 (forward on padded sequences, loss, backward, optimizer step) on fake CPU tensors of a model built on the meta
 device, counts every storage the ops create and free, and reports the peak as ``torch.cuda.max_memory_allocated``
 would, with a breakdown at the peak and allowances for what torch's allocator does not count.
@@ -42,7 +42,7 @@ Host reads of fake values in a step (``.item()``, ``bool()``, ``float()``) retur
 """
 
 from torchtune_ext.memory._estimate import GIB, DeviceAllowance, MemoryEstimate
-from torchtune_ext.memory._estimator import MemoryEstimator, estimate_training_memory
+from torchtune_ext.memory._estimator import MemoryEstimator
 from torchtune_ext.memory._fake import accelerator_code_path, to_fake_model
 from torchtune_ext.memory._offload import OffloadedActivations
 from torchtune_ext.memory._steps import (
@@ -71,7 +71,6 @@ __all__ = [
     "accelerator_code_path",
     "adamw_factory",
     "count_as_host",
-    "estimate_training_memory",
     "to_fake_model",
     "torchtune_qlora_model",
     "torchtune_setup",

@@ -618,8 +618,3 @@ class LiveStorageTracker(TorchDispatchMode):
             phase_peaks=dict(self._phase_peaks),
             host_bytes=self._host_bytes,
         )
-
-    @property
-    def live_bytes(self) -> int:
-        """Bytes counted live right now."""
-        return self._total

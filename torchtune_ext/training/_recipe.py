@@ -513,20 +513,11 @@ class QLoRARecipe(FTRecipeInterface):
         return sampler, dataloader
 
     def _setup_schedule(self, cfg: DictConfig, state: Optional[Dict[str, Any]]) -> None:
-        """Steps per epoch, the LR scheduler, and (resuming) the optimizer, loss scaler, data and RNG positions.
-
-        Raises:
-            ValueError: if an epoch has fewer batches than ``gradient_accumulation_steps``.
-        """
+        """Steps per epoch (at least one: ``_check_data``), the LR scheduler, and (resuming) the optimizer, loss
+        scaler, data and RNG positions."""
         self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        if self._steps_per_epoch == 0:
-            raise ValueError(
-                f"The data set gives {len(self._dataloader)} batches per rank, fewer than "
-                f"gradient_accumulation_steps={self._gradient_accumulation_steps}: lower batch_size or "
-                "gradient_accumulation_steps."
-            )
         if state is not None:
             load_full_optimizer_state(self._optimizer, state["optimizer"])
             self._loss_scaler.load_state_dict(state["loss_scaler"])

@@ -1,0 +1,36 @@
+"""Every ``>>>`` example in a docstring of ``torchtune_ext`` runs, and prints what it says (doctest): an example
+that no longer works fails here instead of misleading a reader."""
+
+import doctest
+import importlib
+import pkgutil
+from typing import List
+
+import pytest
+
+import torchtune_ext
+
+
+def _examples() -> List[doctest.DocTest]:
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    found = []
+    for info in pkgutil.walk_packages(torchtune_ext.__path__, prefix="torchtune_ext."):
+        module = importlib.import_module(info.name)
+        found += [test for test in finder.find(module) if test.examples and test.name.startswith(info.name)]
+    return sorted(found, key=lambda test: test.name)
+
+
+EXAMPLES = _examples()
+
+
+def test_examples_are_found():
+    names = {test.name.rpartition(".")[2] for test in EXAMPLES}
+    assert {"get_full_state_dict", "get_model_state_dict", "load_full_state_dict", "linear_nf4"} <= names
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[test.name for test in EXAMPLES])
+def test_docstring_example_runs(example):
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    report: List[str] = []
+    runner.run(example, out=report.append)
+    assert runner.failures == 0, "".join(report)
