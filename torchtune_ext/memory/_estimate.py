@@ -36,14 +36,14 @@ class DeviceAllowance:
     - ``fragmentation``: reserved minus allocated, as a fraction of the peak's *transient* part (everything but
       weights, buffers, adapters and optimizer state, which are allocated once, before training, and stay). Blocks
       freed by one step are reused by the next when shapes repeat; they are not when every batch has another length
-      (alpaca padded per batch), and the caching allocator then holds blocks of many sizes. The seed figures
-      (torchtune, Llama 2 7B QLoRA, fp32, alpaca: 6.98 GB peak allocated, 9.57 GB peak reserved, torchtune's "GB"
-      being GiB) put reserved - allocated at 2.59 GiB; the estimate of that run matches its peak at 1024 padded
-      tokens, where its transient part is 2.56 GiB (``bench/memory.py --seed``): ``fragmentation = 1.0``, the
-      default, for variable-length batches. It is conservative: peak reserved includes cached blocks that the
-      allocator frees and retries with before it reports an out-of-memory error. For one repeated shape (packed
-      data, batches padded to one length) :meth:`fixed_shapes` takes 0.1 (an assumption: no GPU measured it here);
-      ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` makes fragmentation nearly vanish.
+      (alpaca padded per batch), and the caching allocator then holds blocks of many sizes. The default,
+      ``fragmentation = 1.0`` for variable-length batches, comes from torchtune's published Llama 2 7B QLoRA run,
+      whose reserved - allocated about equals the transient part of its estimated peak (the figures:
+      BENCHMARKS.md, "Measurements behind design choices"; ``bench/memory.py --seed``). It is conservative: peak
+      reserved includes cached blocks that the allocator frees and retries with before it reports an out-of-memory
+      error. For one repeated shape (packed data, batches padded to one length) :meth:`fixed_shapes` takes 0.1 (an
+      assumption: no GPU measured it here); ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` makes
+      fragmentation nearly vanish.
 
     Args:
         cuda_context_gib (float): CUDA context allowance in GiB.

@@ -297,7 +297,8 @@ class LiveStorageTracker(TorchDispatchMode):
     tensors whose value FakeTensorMode knows (made by ``torch.tensor(...)``, such as an optimizer's step counter)
     return that value. The
     most frequent ops on fake tensors (views, elementwise, matmuls) skip FakeTensorMode's per-op bookkeeping: their
-    outputs are built from the meta kernels' metadata (see :data:`_VIEW_OPS`, :data:`_FRESH_OUTPUT_OPS`), 3x faster.
+    outputs are built from the meta kernels' metadata (see :data:`_VIEW_OPS`, :data:`_FRESH_OUTPUT_OPS`), faster
+    (BENCHMARKS.md, "Measurements behind design choices").
 
     Provisional kinds: the caller registers params, buffers and inputs (:meth:`register`); tensors made in a
     forward are activations if they outlive the module call that made them, temporaries if not; those made after

@@ -2,10 +2,8 @@
 
 Why this is a fork: torchtune's ``chunked_output`` splits the last hidden state ``[b, s, d]`` along the sequence,
 which gives non-contiguous views when ``b > 1``. torch's matmul then runs the output projection as a ``bmm`` over
-the (vocab x dim) weight expanded to the batch, and on CPU the bf16 ``bmm`` copies that weight on every call:
-measured on torch 2.13 with a 128256x2048 output and ``[2, 8, 2048]`` chunks, 4.7 s per chunk in bf16 (29 ms for a
-contiguous chunk) and 0.99 s in fp32 (0.11 s), so a Llama-3.2-1B QLoRA step on CPU took 67 s in bf16 instead of a
-few. A contiguous copy of a chunk costs ``b * s / n * d`` values, nothing next to the logits.
+the (vocab x dim) weight expanded to the batch, and on CPU the bf16 ``bmm`` copies that weight on every call
+(timings: BENCHMARKS.md, "Measurements behind design choices"). A contiguous copy of a chunk costs ``b * s / n * d`` values, nothing next to the logits.
 
 :class:`TiledFeedForward` (``tile_mlp_``) trains long sequences' MLPs a tile of tokens at a time.
 

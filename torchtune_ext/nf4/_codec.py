@@ -44,7 +44,7 @@ _CODE_LUTS: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, Optional[
 # CPU dequantization works on chunks of this many values: no full-size temporaries, and few enough parallel
 # regions (each one stalls when a core is busy with another process).
 _CPU_CHUNK_NUMEL = 1 << 22
-# Quantization makes five temporaries per chunk: small enough chunks keep them in cache (2x faster than 1 << 22).
+# Quantization makes five temporaries per chunk: small enough chunks keep them in cache (BENCHMARKS.md).
 _CPU_QUANTIZE_CHUNK_NUMEL = 1 << 18
 # On accelerators quantization still chunks (as torchao does) to bound its temporaries (about 16 bytes a value).
 _ACCELERATOR_CHUNK_NUMEL = 1 << 24
