@@ -3,7 +3,8 @@
 Why this is a fork: torchtune's ``chunked_output`` splits the last hidden state ``[b, s, d]`` along the sequence,
 which gives non-contiguous views when ``b > 1``. torch's matmul then runs the output projection as a ``bmm`` over
 the (vocab x dim) weight expanded to the batch, and on CPU the bf16 ``bmm`` copies that weight on every call
-(timings: BENCHMARKS.md, "Measurements behind design choices"). A contiguous copy of a chunk costs ``b * s / n * d`` values, nothing next to the logits.
+(timings: BENCHMARKS.md, "Measurements behind design choices"). A contiguous copy of a chunk costs
+``b * s / n * d`` values, nothing next to the logits.
 
 :class:`TiledFeedForward` (``tile_mlp_``) trains long sequences' MLPs a tile of tokens at a time.
 
