@@ -45,6 +45,7 @@ from torchtune_ext.memory._estimate import GIB, DeviceAllowance, MemoryEstimate
 from torchtune_ext.memory._estimator import MemoryEstimator
 from torchtune_ext.memory._fake import accelerator_code_path, to_fake_model
 from torchtune_ext.memory._offload import OffloadedActivations
+from torchtune_ext.memory._recipe_step import RecipeStep, recipe_step_estimator
 from torchtune_ext.memory._steps import (
     OptimizerFactory,
     Setup,
@@ -65,12 +66,14 @@ __all__ = [
     "MemoryEstimator",
     "OffloadedActivations",
     "OptimizerFactory",
+    "RecipeStep",
     "Setup",
     "TrainStep",
     "TrackerResult",
     "accelerator_code_path",
     "adamw_factory",
     "count_as_host",
+    "recipe_step_estimator",
     "to_fake_model",
     "torchtune_qlora_model",
     "torchtune_setup",

@@ -67,7 +67,7 @@ from torchtune_ext.distributed import (
     replicated_params,
     unwrap_key,
 )
-from torchtune_ext.memory import GIB, DeviceAllowance, MemoryEstimator, OffloadedActivations
+from torchtune_ext.memory import GIB, DeviceAllowance, MemoryEstimator, OffloadedActivations, recipe_step_estimator
 from torchtune_ext.models import check_adapter_state, init_adapters_
 from torchtune_ext.modules.loss import LinearCrossEntropyLoss
 from torchtune_ext.modules.transformer import tile_mlp_
@@ -840,40 +840,37 @@ class QLoRARecipe(FTRecipeInterface):
             MemoryEstimator: call ``estimate(batch_size, seq_len)`` or ``max_seq_len_that_fits(gib)``.
         """
         hf_config = self._checkpoint_config(cfg)
-        self._frozen_dtype = frozen_weights_dtype(cfg.get("frozen_dtype", None), self._dtype, hf_config)
+        frozen_dtype = frozen_weights_dtype(cfg.get("frozen_dtype", None), self._dtype, hf_config)
         fake = model is None
         if fake:
-            model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
-        self._loss_fn = config.instantiate(cfg.loss)
-        self._compile = False
-        # On fake CPU tensors; what the device would hold is what the estimate counts.
-        self._loss_scaler = LossScaler(self._dtype == torch.float16, torch.device("cpu"), **cfg.get("loss_scaler", {}))
-        if self._enable_activation_offloading:
-            self._activation_offloading = OffloadedActivations()
+            model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, frozen_dtype)
 
-        def setup(fake_model: nn.Module, loss_fn: Any, activation_checkpointing: bool) -> None:
-            self._model = fake_model
-            self._prepare_model(fake_model)
-            self._setup_loss()
+        # [issue 16] The estimate binds its model, loss and optimizer to its own copy of this recipe (never to self).
+        def bind(step: QLoRARecipe, step_model: nn.Module, loss_fn: Any) -> None:
+            step._model, step._loss_fn, step._frozen_dtype, step._compile = step_model, loss_fn, frozen_dtype, False
+            # On fake CPU tensors; what the device would hold is what the estimate counts.
+            step._loss_scaler = LossScaler(
+                step._dtype == torch.float16, torch.device("cpu"), **cfg.get("loss_scaler", {})
+            )
+            if step._enable_activation_offloading:
+                step._activation_offloading = OffloadedActivations()
+            step._prepare_model(step_model)
+            step._setup_loss()
 
-        def optimizer(fake_model: nn.Module) -> torch.optim.Optimizer:
-            self._trainable_params = [p for p in fake_model.parameters() if p.requires_grad]
-            self._replicated_params = []
-            self._optimizer = config.instantiate(cfg.optimizer, self._trainable_params)
-            self._lr_scheduler = config.instantiate(cfg.lr_scheduler, self._optimizer, num_training_steps=1)
-            return self._optimizer
+        def optimizer(step: QLoRARecipe, step_model: nn.Module) -> torch.optim.Optimizer:
+            step._trainable_params = [p for p in step_model.parameters() if p.requires_grad]
+            step._replicated_params = []
+            step._optimizer = config.instantiate(cfg.optimizer, step._trainable_params)
+            step._lr_scheduler = config.instantiate(cfg.lr_scheduler, step._optimizer, num_training_steps=1)
+            return step._optimizer
 
-        def step(fake_model: nn.Module, loss_fn: Any, optimizer: Any, batch: Dict[str, torch.Tensor]) -> None:
-            _, batch_tokens = self.forward_backward(batch)
-            self.optimizer_step(batch_tokens)
-
-        return MemoryEstimator(
+        return recipe_step_estimator(
+            self,
             model,
+            bind=bind,
+            optimizer=optimizer,
+            loss_fn=config.instantiate(cfg.loss),
             activation_checkpointing=self._enable_activation_checkpointing,
-            loss_fn=self._loss_fn,
-            optimizer_factory=optimizer,
-            train_step=step,
-            setup=setup,
             dtype=self._dtype,
             gradient_accumulation_steps=self._gradient_accumulation_steps,
             allowance=RECIPE_ALLOWANCE,
@@ -910,10 +907,11 @@ class QLoRARecipe(FTRecipeInterface):
         estimate = estimator.estimate(self._batch_size, seq_len)
         lines = [
             estimate.format(),
-            f"  settings: dtype={self._dtype}, frozen embedding/output in {self._frozen_dtype}, "
+            f"  settings: dtype={self._dtype}, frozen embedding/output in "
+            f"{estimator.model.tok_embeddings.weight.dtype}, "
             f"activation checkpointing {self._enable_activation_checkpointing}, activation offloading "
             f"{self._enable_activation_offloading}, tiled_mlp_tokens={self._tiled_mlp_tokens}, "
-            f"loss {type(self._loss_fn).__name__}, "
+            f"loss {type(estimator.loss_fn).__name__}, "
             f"gradient_accumulation_steps={self._gradient_accumulation_steps}",
         ]
         if estimate.host_bytes:

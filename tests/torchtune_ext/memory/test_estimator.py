@@ -380,6 +380,27 @@ def test_meta_model_is_left_untouched():
     assert {name for name, p in model.named_parameters() if p.requires_grad} == trainable
 
 
+def test_the_dry_run_leaves_the_recipe_untouched_and_runs_its_overrides():
+    """The estimate runs the recipe's own step (a subclass's override included) on its own copy of the recipe: the
+    live recipe keeps every attribute it had (no model, loss or optimizer of the estimate on it)."""
+    calls = []
+
+    class Hacked(QLoRARecipe):
+        def loss_step(self, batch):
+            calls.append(batch["tokens"].shape)
+            return super().loss_step(batch)
+
+    cfg = _cfg()
+    recipe = Hacked(cfg)
+    before = dict(vars(recipe))
+    estimator = recipe.memory_estimator(cfg)
+    estimator.estimate(2, 32)
+    assert calls == [torch.Size([2, 32])]
+    assert vars(recipe).keys() == before.keys()
+    assert all(vars(recipe)[key] is value for key, value in before.items())
+    assert not hasattr(recipe, "_model") and not hasattr(recipe, "_optimizer")
+
+
 # ---------------------------------------------------------------------------- (b) torchtune's recipe, the seed
 
 
