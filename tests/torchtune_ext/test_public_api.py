@@ -59,6 +59,35 @@ def test_no_private_cross_package_imports():
     assert _violations() == []
 
 
+#: CONTRIBUTING.md's layers: a package imports only packages of lower layers.
+LAYERS = {
+    "_compat": 0,
+    "_dtype": 0,
+    "nf4": 1,
+    "modules": 2,
+    "distributed": 2,
+    "models": 3,
+    "checkpoint": 3,
+    "data": 4,
+    "memory": 4,
+    "training": 5,
+    "cli": 6,
+}
+
+
+def test_imports_only_go_down_the_layers():
+    upward = []
+    for path in sorted((ROOT / "torchtune_ext").rglob("*.py")):
+        parts = path.relative_to(ROOT / "torchtune_ext").with_suffix("").parts
+        if parts[0] not in LAYERS:
+            continue
+        for line, name in _imports(path):
+            target = name.split(".")[1] if name.startswith("torchtune_ext.") else None
+            if target in LAYERS and target != parts[0] and LAYERS[target] >= LAYERS[parts[0]]:
+                upward.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert upward == []
+
+
 @pytest.mark.parametrize(
     "path, name, expected",
     [
