@@ -11,7 +11,9 @@ required: an estimate runs a recipe's own code, never an imitation of it. Our re
 on meta, prepared as for training (trainable adapters, activation checkpointing, the loss, activation offloading as
 :class:`OffloadedActivations`), and the recipe's ``forward_backward`` / ``optimizer_step`` with its configured
 optimizer, so that its settings (16-bit frozen weights under fp32, a loss that never holds the logits, activation
-offloading) show in the estimate without changes here. From the command line, ``dry_run=True`` prints it::
+offloading) show in the estimate without changes here. :func:`recipe_step_estimator` runs that step on its own
+copy of the recipe (a subclass's overrides included), never rewriting the live recipe. From the command line,
+``dry_run=True`` prints it::
 
     tune run recipes/qlora_finetune_single_device.py --config configs/llama3_1/8B_qlora_single_device.yaml \
         dry_run=True dtype=fp32 device_memory_gb=15
