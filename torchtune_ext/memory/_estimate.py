@@ -41,9 +41,9 @@ class DeviceAllowance:
       whose reserved - allocated about equals the transient part of its estimated peak (the figures:
       BENCHMARKS.md, "Measurements behind design choices"; ``bench/memory.py --seed``). It is conservative: peak
       reserved includes cached blocks that the allocator frees and retries with before it reports an out-of-memory
-      error. For one repeated shape (packed data, batches padded to one length) :meth:`fixed_shapes` takes 0.1 (an
-      assumption: no GPU measured it here); ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` makes
-      fragmentation nearly vanish.
+      error. For one repeated shape (packed data, batches padded to one length), or with
+      ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (the recipes' default, ``RECIPE_ALLOWANCE``), 0.1 (an
+      assumption: no GPU measured it here).
 
     Args:
         cuda_context_gib (float): CUDA context allowance in GiB.
@@ -52,15 +52,6 @@ class DeviceAllowance:
 
     cuda_context_gib: float = 0.5
     fragmentation: float = 1.0
-
-    @classmethod
-    def fixed_shapes(cls) -> DeviceAllowance:
-        """The allowance for steps of one repeated shape (packed or fixed-length batches): 10% fragmentation.
-
-        Returns:
-            DeviceAllowance: the allowance.
-        """
-        return cls(fragmentation=0.1)
 
 
 @dataclass(frozen=True)
