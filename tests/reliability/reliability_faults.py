@@ -9,7 +9,8 @@ fault at given training steps, on one rank or all:
 - ``fault=scale_grad``: leave the loss value alone but multiply its gradient by ``grad_factor`` (fp16 overflow).
 
 A subclass, so that the recipes recognise the chunked loss (``isinstance``) and chunk the model's output. Steps
-are counted as training forward calls (with gradients enabled, so validation does not count), which equals the global step with ``gradient_accumulation_steps=1`` in a fresh (not resumed) run.
+are counted as training forward calls (with gradients enabled, so validation does not count), which equals the
+global step with ``gradient_accumulation_steps=1`` in a fresh (not resumed) run.
 """
 
 import os
