@@ -13,6 +13,7 @@ through the same converter as the base weight of its layer.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -282,7 +283,15 @@ def write_hf_model_files(
     write_json(folder / "config.json", {**hf_config, **hf_dtype_fields(dtype)})
 
 
-def llama3_2_hf_config(
+#: per ``decoder_hf_config`` family: HF architecture, model type, and torchtune's builder defaults.
+_DECODER_FAMILIES: Dict[str, Dict[str, Any]] = {
+    "llama": dict(architecture="LlamaForCausalLM", model_type="llama", rope_base=500_000, norm_eps=1e-5),
+    "qwen2": dict(architecture="Qwen2ForCausalLM", model_type="qwen2", rope_base=1_000_000.0, norm_eps=1e-6),
+}
+
+
+def decoder_hf_config(
+    family: str,
     vocab_size: int,
     num_layers: int,
     num_heads: int,
@@ -290,15 +299,17 @@ def llama3_2_hf_config(
     embed_dim: int,
     intermediate_dim: int,
     max_seq_len: int,
-    rope_base: float = 500_000,
+    rope_base: Optional[float] = None,
+    norm_eps: Optional[float] = None,
     scale_factor: float = 32,
-    norm_eps: float = 1e-5,
     tie_word_embeddings: bool = True,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Dict[str, Any]:
-    """HF ``config.json`` of a Llama 3.2-style model with torchtune ``llama3_2`` builder arguments.
+    """HF ``config.json`` of a decoder built with torchtune's ``llama3_2`` or ``qwen2`` builder arguments
+    (:data:`llama3_2_hf_config`, :data:`qwen2_hf_config`).
 
     Args:
+        family (str): "llama" (Llama 3.2-style: scaled RoPE) or "qwen2" (Qwen2-style: q/k/v biases).
         vocab_size (int): vocabulary size.
         num_layers (int): decoder layers.
         num_heads (int): attention heads.
@@ -306,112 +317,25 @@ def llama3_2_hf_config(
         embed_dim (int): model dim.
         intermediate_dim (int): MLP hidden dim.
         max_seq_len (int): maximum sequence length.
-        rope_base (float): RoPE theta.
-        scale_factor (float): Llama 3.1 RoPE scaling factor (low 1, high 4, original context 8192: torchtune's).
-        norm_eps (float): RMSNorm epsilon.
+        rope_base (Optional[float]): RoPE theta; None: the family's (500,000 / 1,000,000).
+        norm_eps (Optional[float]): RMSNorm epsilon; None: the family's (1e-5 / 1e-6).
+        scale_factor (float): llama only: Llama 3.1 RoPE scaling factor (low 1, high 4, original context 8192:
+            torchtune's).
         tie_word_embeddings (bool): tied input/output embeddings.
         dtype (torch.dtype): the weights' dtype (``dtype`` / ``torch_dtype``).
 
     Returns:
         Dict[str, Any]: the config.
+
+    Raises:
+        ValueError: on an unknown family.
     """
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        **_decoder_hf_config(
-            vocab_size,
-            num_layers,
-            num_heads,
-            num_kv_heads,
-            embed_dim,
-            intermediate_dim,
-            max_seq_len,
-            rope_base,
-            norm_eps,
-            tie_word_embeddings,
-            dtype,
-        ),
-        "head_dim": embed_dim // num_heads,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": float(scale_factor),
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "attention_bias": False,
-        "mlp_bias": False,
-    }
-
-
-def qwen2_hf_config(
-    vocab_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    embed_dim: int,
-    intermediate_dim: int,
-    max_seq_len: int,
-    rope_base: float = 1_000_000.0,
-    norm_eps: float = 1e-6,
-    tie_word_embeddings: bool = True,
-    dtype: torch.dtype = torch.bfloat16,
-) -> Dict[str, Any]:
-    """HF ``config.json`` of a Qwen2-style model with torchtune ``qwen2`` builder arguments.
-
-    Args:
-        vocab_size (int): vocabulary size.
-        num_layers (int): decoder layers.
-        num_heads (int): attention heads.
-        num_kv_heads (int): key/value heads.
-        embed_dim (int): model dim.
-        intermediate_dim (int): MLP hidden dim.
-        max_seq_len (int): maximum sequence length.
-        rope_base (float): RoPE theta.
-        norm_eps (float): RMSNorm epsilon.
-        tie_word_embeddings (bool): tied input/output embeddings.
-        dtype (torch.dtype): the weights' dtype (``dtype`` / ``torch_dtype``).
-
-    Returns:
-        Dict[str, Any]: the config.
-    """
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        **_decoder_hf_config(
-            vocab_size,
-            num_layers,
-            num_heads,
-            num_kv_heads,
-            embed_dim,
-            intermediate_dim,
-            max_seq_len,
-            rope_base,
-            norm_eps,
-            tie_word_embeddings,
-            dtype,
-        ),
-        "max_window_layers": num_layers,
-        "sliding_window": max_seq_len,
-        "use_sliding_window": False,
-    }
-
-
-def _decoder_hf_config(
-    vocab_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    embed_dim: int,
-    intermediate_dim: int,
-    max_seq_len: int,
-    rope_base: float,
-    norm_eps: float,
-    tie_word_embeddings: bool,
-    dtype: torch.dtype,
-) -> Dict[str, Any]:
-    """The ``config.json`` entries Llama- and Qwen2-style decoders share."""
-    return {
+    if family not in _DECODER_FAMILIES:
+        raise ValueError(f"Unknown decoder family {family!r}; use one of {sorted(_DECODER_FAMILIES)}.")
+    defaults = _DECODER_FAMILIES[family]
+    config = {
+        "architectures": [defaults["architecture"]],
+        "model_type": defaults["model_type"],
         "vocab_size": vocab_size,
         "hidden_size": embed_dim,
         "intermediate_size": intermediate_dim,
@@ -420,8 +344,8 @@ def _decoder_hf_config(
         "num_key_value_heads": num_kv_heads,
         "hidden_act": "silu",
         "max_position_embeddings": max_seq_len,
-        "rms_norm_eps": norm_eps,
-        "rope_theta": float(rope_base),
+        "rms_norm_eps": defaults["norm_eps"] if norm_eps is None else norm_eps,
+        "rope_theta": float(defaults["rope_base"] if rope_base is None else rope_base),
         "attention_dropout": 0.0,
         "tie_word_embeddings": tie_word_embeddings,
         "bos_token_id": 1,
@@ -430,6 +354,25 @@ def _decoder_hf_config(
         "use_cache": True,
         **hf_dtype_fields(dtype),
     }
+    if family == "llama":
+        config["head_dim"] = embed_dim // num_heads
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": float(scale_factor),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        config.update(attention_bias=False, mlp_bias=False)
+    else:
+        config.update(max_window_layers=num_layers, sliding_window=max_seq_len, use_sliding_window=False)
+    return config
+
+
+#: ``decoder_hf_config("llama", ...)``: a Llama 3.2-style model with torchtune ``llama3_2`` builder arguments.
+llama3_2_hf_config = partial(decoder_hf_config, "llama")
+#: ``decoder_hf_config("qwen2", ...)``: a Qwen2-style model with torchtune ``qwen2`` builder arguments.
+qwen2_hf_config = partial(decoder_hf_config, "qwen2")
 
 
 def read_hf_config(checkpoint_dir: Path) -> Dict[str, Any]:
