@@ -44,7 +44,7 @@ if [ -d gpu_wheels ]; then
   rm -rf "$SITE" && mkdir -p "$SITE/_boot"
   python3 -m pip install --quiet --no-index --no-deps --target "$SITE" gpu_wheels/*.whl ||
     for whl in gpu_wheels/*.whl; do python3 -m zipfile -e "$whl" "$SITE"; done
-  printf 'import site\nsite.addsitedir(%r)\n' "$SITE" > "$SITE/_boot/sitecustomize.py"
+  printf 'import site\nsite.addsitedir("%s")\n' "$SITE" > "$SITE/_boot/sitecustomize.py"
   export PYTHONPATH="$SITE/_boot${PYTHONPATH:+:$PYTHONPATH}"
   PY=${PY:-python3}
 else
