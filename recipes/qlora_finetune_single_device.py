@@ -48,6 +48,7 @@ import sys
 from omegaconf import DictConfig
 from torchtune import config
 
+from torchtune_ext.config import exit_on_config_error
 from torchtune_ext.training import QLoRARecipe
 
 
@@ -70,6 +71,7 @@ class QLoRAFinetuneRecipeSingleDevice(QLoRARecipe):
     """
 
 
+@exit_on_config_error("qlora_finetune_single_device")  # [issue 17] a config error: one line, exit code 2
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/qlora_finetune_single_device.py --config <yaml> [key=value ...]``."""
