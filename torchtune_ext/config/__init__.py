@@ -19,6 +19,7 @@ from torchtune_ext.config._errors import (
     exit_on_config_error,
     print_config_error,
 )
+from torchtune_ext.config._validate import validate
 
 __all__ = [
     "CONFIG_ERROR_EXIT_CODE",
@@ -35,4 +36,5 @@ __all__ = [
     "print_config_error",
     "read_json_records",
     "suggest",
+    "validate",
 ]
