@@ -39,13 +39,15 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import logging
 import os
 import sys
 import types
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+if TYPE_CHECKING:
+    import logging
 
 #: where torchao keeps the NF4 tensor code: torchao < 0.18, then torchao >= 0.18.
 _NF4_MODULES = ("torchao.dtypes.nf4tensor", "torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
@@ -186,11 +188,11 @@ def _register_nf4_ops() -> None:
         return nf4.NF4Tensor(*nf4.construct_nf4_args(value, inner))
 
 
-class _DropRecords(logging.Filter):
-    """Drops the log records of one logger for which ``match(record)`` holds."""
+class _DropRecords:
+    """A ``logging`` filter (any object with ``filter``: no ``import logging`` at start-up) that drops the records
+    for which ``match(record)`` holds."""
 
     def __init__(self, match: Callable[[logging.LogRecord], bool]):
-        super().__init__()
         self._match = match
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -221,6 +223,8 @@ def _quiet_known_warnings() -> None:
     source and matched narrowly: torchao's failed ``.so`` loads, torch's deprecation of torchao's enum pytree
     registrations (``KernelPreference``), and torch's ``'set_vital' is deprecated``, which torchdata's
     ``StatefulDataLoader`` triggers on every data loader it creates. Idempotent; imports nothing heavy."""
+    import logging
+
     torchao_log = logging.getLogger("torchao")
     pytree_log = logging.getLogger("torch.utils._pytree")
     if not any(isinstance(f, _DropRecords) for f in torchao_log.filters):
