@@ -419,7 +419,7 @@ ONE_LINE_CASES = [
     ),
     pytest.param(
         ["generate_base_checkpoint=None"],
-        ["generate_base_checkpoint='None' is not a config section; to turn it off, use generate_base_checkpoint=null"],
+        ["generate_base_checkpoint=None: a config section cannot be turned off with None; it only writes the tiny"],
         id="generate_base_checkpoint_none",
     ),
     pytest.param(["device=" + ABSENT_DEVICE], [f"device='{ABSENT_DEVICE}' is not available"], id="device_not_there"),
@@ -430,7 +430,7 @@ ONE_LINE_CASES = [
     ),
     pytest.param(["dtype=int8"], ["dtype='int8' is not supported; use dtype=fp32, dtype=bf16"], id="int8"),
     pytest.param(
-        ["checkpointer.checkpoint_dir={out}_no_such_model", "~generate_base_checkpoint"],
+        ["checkpointer.checkpoint_dir={out}_no_such_model", "generate_base_checkpoint.checkpoint_dir={out}_elsewhere"],
         ["_no_such_model' does not exist. Download the model first"],
         id="missing_checkpoint_dir",
     ),

@@ -44,8 +44,17 @@ RECIPE_KEYS = frozenset(
     }
 )  # fmt: skip
 #: sections that must be a ``_component_`` section, and those that may be null too.
-REQUIRED_COMPONENTS = ("model", "tokenizer", "checkpointer", "dataset", "optimizer", "lr_scheduler", "loss")
-OPTIONAL_COMPONENTS = ("dataset_val", "generate_base_checkpoint", "metric_logger")
+REQUIRED_COMPONENTS = (
+    "model", "tokenizer", "checkpointer", "dataset", "optimizer", "lr_scheduler", "loss", "metric_logger",
+)  # fmt: skip
+OPTIONAL_COMPONENTS = ("dataset_val", "generate_base_checkpoint")
+#: how to do without an optional section (a section cannot be removed on torchtune's command line).
+_WITHOUT = {
+    "generate_base_checkpoint": "it only writes the tiny base model when checkpointer.checkpoint_dir has none, so it "
+    "can stay; or delete the section in your own copy of the config (tune-ext cp)",
+    "dataset_val": "to skip validation set run_val_every_n_steps=null, or delete the section in your own copy of the "
+    "config (tune-ext cp)",
+}
 #: arguments the recipe passes to a section's component itself (a config that sets them is wrong).
 _RECIPE_ARGS = {
     "model": ("dtype", "adapter_dtype", "frozen_dtype", "device"),
@@ -160,7 +169,8 @@ def _check_keys(cfg: DictConfig) -> List[ConfigError]:
     for key in (*REQUIRED_COMPONENTS, *OPTIONAL_COMPONENTS):
         problems += _check_is_section(cfg, key)
     for name, section in _sections(cfg):
-        problems += _check_section_keys(name, section)
+        if not _is_none(section._component_):
+            problems += _check_section_keys(name, section)
     for name, (path, passed) in _PLAIN_SECTIONS.items():
         section = cfg.get(name, None)
         if isinstance(section, DictConfig):
@@ -173,21 +183,26 @@ def _check_keys(cfg: DictConfig) -> List[ConfigError]:
     return problems
 
 
+def _is_none(value: Any) -> bool:
+    return value is None or isinstance(value, str) and value.lower() in ("none", "null")
+
+
 def _check_is_section(cfg: DictConfig, key: str) -> List[ConfigError]:
+    """A component section: present (if required) and with a ``_component_``. ``key=None`` on torchtune's command line
+    sets ``key._component_`` to null (its shorthand for sections; sections cannot be removed there), and in a
+    Python dotlist gives the string ``'None'``: both get the way to do without the section."""
     value = cfg.get(key, None)
+    required = key in REQUIRED_COMPONENTS
     if value is None:
-        if key in REQUIRED_COMPONENTS:
-            return [ConfigError(f"{key} is missing: the recipe needs a {key} section with a _component_", key)]
-        return []
-    if isinstance(value, DictConfig) and "_component_" in value:
+        return [ConfigError(f"{key} is missing: the recipe needs a {key} section with a _component_", key)] * required
+    if isinstance(value, DictConfig) and "_component_" in value and not _is_none(value._component_):
         return []
     if key == "dataset" and isinstance(value, ListConfig):
         return []
-    fix = f"a section with a _component_ and its arguments{'' if key in REQUIRED_COMPONENTS else ', or null'}"
-    if isinstance(value, str) and value.lower() == "none":
-        fix = f"to turn it off, use {key}=null (YAML's null; None is the string 'None')"
-        if key in REQUIRED_COMPONENTS:
-            fix = f"the recipe needs {key}: a section with a _component_ and its arguments"
+    if _is_none(value) or isinstance(value, DictConfig) and _is_none(value.get("_component_", None)):
+        fix = f"the recipe needs {key}: set {key}._component_" if required else _WITHOUT[key]
+        return [ConfigError(f"{key}=None: a config section cannot be turned off with None; {fix}", key)]
+    fix = f"a section with a _component_ and its arguments{'' if required else ', or null'}"
     return [bad_value(key, value, "is not a config section", fix)]
 
 

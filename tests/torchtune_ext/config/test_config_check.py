@@ -102,13 +102,21 @@ def test_several_problems_give_one_line_each():
 # -------------------------------------------------------------------------------------------------- sections
 
 
-def test_generate_base_checkpoint_none_says_to_use_null():
-    error = _error("generate_base_checkpoint=None")
+@pytest.mark.parametrize("tune_cli", [False, True], ids=["dotlist", "tune_run_command_line"])
+def test_generate_base_checkpoint_none_gets_a_real_message(tune_cli):
+    # torchtune's command line turns `key=None` for a section into `key._component_=null`
+    override = "generate_base_checkpoint._component_=null" if tune_cli else "generate_base_checkpoint=None"
+    error = _error(override)
     assert str(error) == (
-        "generate_base_checkpoint='None' is not a config section; to turn it off, use generate_base_checkpoint=null "
-        "(YAML's null; None is the string 'None')"
+        "generate_base_checkpoint=None: a config section cannot be turned off with None; it only writes the tiny base "
+        "model when checkpointer.checkpoint_dir has none, so it can stay; or delete the section in your own copy of "
+        "the config (tune-ext cp)"
     )
     check_config(_cfg("generate_base_checkpoint=null"), dry_run=True)
+
+
+def test_dataset_val_none_names_run_val_every_n_steps():
+    assert "to skip validation set run_val_every_n_steps=null" in str(_error("dataset_val._component_=null"))
 
 
 def test_a_required_section_that_is_none_or_missing():
