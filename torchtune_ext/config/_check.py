@@ -193,8 +193,10 @@ def _check_is_section(cfg: DictConfig, key: str) -> List[ConfigError]:
     Python dotlist gives the string ``'None'``: both get the way to do without the section."""
     value = cfg.get(key, None)
     required = key in REQUIRED_COMPONENTS
+    if value is None and not required:
+        return []
     if value is None:
-        return [ConfigError(f"{key} is missing: the recipe needs a {key} section with a _component_", key)] * required
+        return [ConfigError(f"{key} is missing: the recipe needs a {key} section with a _component_", key)]
     if isinstance(value, DictConfig) and "_component_" in value and not _is_none(value._component_):
         return []
     if key == "dataset" and isinstance(value, ListConfig):
