@@ -41,6 +41,8 @@ RECIPE_KEYS = frozenset(
         "vocab_pruning", "dry_run", "device_memory_gb",
         # distributed
         "fsdp_cpu_offload", "fsdp_reshard_after_forward", "process_group_timeout_s",
+        # torchtune's, for configs shared with its recipes: ours always log memory
+        "log_peak_memory_stats",
     }
 )  # fmt: skip
 #: sections that must be a ``_component_`` section, and those that may be null too.
