@@ -461,6 +461,24 @@ def test_config_errors_print_one_line_each_and_exit_2(inputs, tmp_path, override
     assert not out.exists()
 
 
+@pytest.mark.distributed
+def test_a_config_error_on_2_ranks_prints_its_line_once(tmp_path):
+    """Every rank finds it before the process group starts; rank 0 prints it (torchrun then reports the failure)."""
+    full_env = {**{k: v for k, v in os.environ.items() if k != TRACEBACK_ENV}, "OMP_NUM_THREADS": "1"}
+    args = [str(TUNE), "run", "--standalone", "--nproc_per_node", "2", DIST_RECIPE, "--config", str(DIST_CONFIG)]
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [*args, f"output_dir={out}", "dtpye=fp32"], cwd=REPO, env=full_env, capture_output=True, text=True,
+        timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode != 0
+    errors = [line for line in output.splitlines() if line.startswith("qlora_finetune_distributed: error: ")]
+    assert errors == ["qlora_finetune_distributed: error: unknown key 'dtpye': did you mean 'dtype'?"], output[-4000:]
+    assert "ConfigError" not in output  # no rank's traceback
+    assert not out.exists()
+
+
 def test_the_traceback_on_request(inputs, tmp_path):
     run = _recipe_run([f"output_dir={tmp_path / 'out'}", "dtpye=fp32"], REPO, **{TRACEBACK_ENV: "1"})
     assert run.returncode == 1
