@@ -49,6 +49,20 @@ def test_registry_lists_our_recipes_and_configs():
     assert sum(recipe.name == SINGLE_DEVICE_RECIPE for recipe in get_all_recipes()) == 1  # registered once
 
 
+def test_tune_run_resolves_a_shared_config_name_to_ours():
+    """``llama3_2/1B_qlora_single_device`` is a torchtune config name too: ``tune run <our recipe>`` gets ours."""
+    import argparse
+
+    from torchtune._cli.run import Run
+
+    run = Run(argparse.ArgumentParser().add_subparsers())
+    recipe = run._get_recipe(SINGLE_DEVICE_RECIPE)
+    name = "llama3_2/1B_qlora_single_device"
+    assert Path(run._get_config(name, recipe).file_path) == config_files()[name]
+    theirs = run._get_config(name, run._get_recipe("lora_finetune_single_device"))
+    assert theirs.file_path == f"{name}.yaml"  # torchtune's own recipe keeps its own config
+
+
 def test_tune_ls_lists_ours_quietly(tmp_path):
     result = _run([str(BIN / "tune"), "ls"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
