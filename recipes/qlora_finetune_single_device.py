@@ -60,6 +60,7 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config
 
+from torchtune_ext.config import exit_on_config_error
 from torchtune_ext.training import QLoRARecipe
 
 
@@ -116,6 +117,7 @@ class QLoRAFinetuneRecipeSingleDevice(QLoRARecipe):
         return super().optimizer_step(num_tokens)
 
 
+@exit_on_config_error("qlora_finetune_single_device")  # [issue 17] a config error: one line, exit code 2
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/qlora_finetune_single_device.py --config <yaml> [key=value ...]``."""

@@ -29,6 +29,11 @@ placeholder ``recipes`` package whose ``__init__`` only raises ("The torchtune r
 package"). When that placeholder is what ``import recipes`` would find and the working folder has a
 ``recipes/__init__.py``, the finder returns the working folder's package instead. Nothing importable changes: the
 placeholder can never be imported.
+
+The finder also lists this package's recipes and configs in torchtune's recipe registry as
+``torchtune._recipe_registry`` is imported (:func:`_register_recipes`), so torchtune's own ``tune ls``, ``tune cp``
+and ``tune run <recipe> --config <config>`` know them by name from any folder; and it silences, narrowly, three
+start-up warnings nobody can act on, each where it is emitted (:func:`_quiet_known_warnings`, which says why).
 """
 
 from __future__ import annotations
@@ -40,8 +45,12 @@ import importlib.util
 import os
 import sys
 import types
+import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+if TYPE_CHECKING:
+    import logging
 
 #: where torchao keeps the NF4 tensor code: torchao < 0.18, then torchao >= 0.18.
 _NF4_MODULES = ("torchao.dtypes.nf4tensor", "torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
@@ -55,6 +64,7 @@ _NF4_EXPORTS = (
 )
 
 _applied = False
+_REGISTRY = "torchtune._recipe_registry"
 
 
 def _removed(name: str, release: str) -> Callable[..., Any]:
@@ -178,12 +188,103 @@ def _register_nf4_ops() -> None:
         return nf4.NF4Tensor(*nf4.construct_nf4_args(value, inner))
 
 
+class _DropRecords:
+    """A ``logging`` filter (any object with ``filter``: no ``import logging`` at start-up) that drops the records
+    for which ``match(record)`` holds."""
+
+    def __init__(self, match: Callable[[logging.LogRecord], bool]):
+        self._match = match
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self._match(record)
+
+
+def _torchao_so_load_failure(record: logging.LogRecord) -> bool:
+    # torchao's __init__ tries to load every prebuilt `_C*.so` and logs each failure (six lines under 2 ranks): they
+    # are its CUDA/CUTLASS kernels (mxfp8, cutlass_90a, ...) built for other torch/Python/CUDA builds, and neither
+    # NF4 nor anything else we use needs them. The skip for a torch older than torchao's build is the same case.
+    message = str(record.msg)
+    return (message.startswith("Failed to load ") and ".so" in message) or message.startswith(
+        "Skipping import of cpp extensions"
+    )
+
+
+def _torchao_enum_constant(record: logging.LogRecord) -> bool:
+    # torch >= 2.12 warns when an Enum is registered as a pytree constant; torchao registers its own enums
+    # (KernelPreference, ...) at import (torchao.utils.register_as_pytree_constant). Only torchao can change that.
+    args = record.args if isinstance(record.args, tuple) else ()
+    return "is an Enum subclass" in str(record.msg) and any(
+        getattr(arg, "__module__", "").startswith("torchao.") for arg in args
+    )
+
+
+def _quiet_known_warnings() -> None:
+    """Silences three warnings printed by every command (even ``tune-ext ls``) that no user can act on, each at its
+    source and matched narrowly: torchao's failed ``.so`` loads, torch's deprecation of torchao's enum pytree
+    registrations (``KernelPreference``), and torch's ``'set_vital' is deprecated``, which torchdata's
+    ``StatefulDataLoader`` triggers on every data loader it creates. Idempotent; imports nothing heavy."""
+    import logging
+
+    torchao_log = logging.getLogger("torchao")
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    if not any(isinstance(f, _DropRecords) for f in torchao_log.filters):
+        torchao_log.addFilter(_DropRecords(_torchao_so_load_failure))
+        pytree_log.addFilter(_DropRecords(_torchao_enum_constant))
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", module=r"torchdata\.stateful_dataloader")
+
+
+def _register_recipes(registry: types.ModuleType) -> None:
+    """Lists this package's recipes and configs in torchtune's registry (once), by absolute path (torchtune joins its
+    ``recipes`` folder with the path, which an absolute path replaces). Our entries come first: where a config name
+    is also torchtune's (``llama3_2/1B_qlora_single_device``), ``tune run <recipe> --config`` looks in the named
+    recipe's configs first, and ``tune cp`` keeps finding torchtune's own (``tune-ext cp`` copies ours)."""
+    from torchtune_ext._shipped import DISTRIBUTED_RECIPE, config_files, recipe_files, recipe_of
+
+    recipes = registry.get_all_recipes()
+    known = {recipe.name for recipe in recipes}
+    configs = config_files()
+    ours = [
+        registry.Recipe(
+            name=name,
+            file_path=str(path),
+            configs=[registry.Config(name=c, file_path=str(p)) for c, p in configs.items() if recipe_of(c) == name],
+            supports_distributed=name == DISTRIBUTED_RECIPE,
+        )
+        for name, path in recipe_files().items()
+        if name not in known
+    ]
+    recipes[:0] = ours
+
+
+class _ThenRegister(importlib.abc.Loader):
+    """torchtune's registry module, loaded by its own loader, then given our recipes."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[types.ModuleType]:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._loader.exec_module(module)
+        _register_recipes(module)
+
+
+def _registry_spec(path: Optional[Sequence[str]]) -> Optional[importlib.machinery.ModuleSpec]:
+    spec = importlib.machinery.PathFinder.find_spec(_REGISTRY, path)
+    if spec is None or spec.loader is None:
+        return None
+    spec.loader = _ThenRegister(spec.loader)
+    return spec
+
+
 def apply() -> None:
     """Applies every alias and registration once (imports torchao, and torch). Idempotent."""
     global _applied
     if _applied:
         return
     _applied = True
+    _quiet_known_warnings()
     _apply_torchao_aliases()
     _register_nf4_ops()
 
@@ -197,7 +298,8 @@ def _torchtune_recipes_placeholder() -> Optional[Path]:
 
 
 class _CompatFinder(importlib.abc.MetaPathFinder):
-    """Applies :func:`apply` before the first ``import torchtune``; resolves ``recipes`` to the working folder's
+    """Applies :func:`apply` before the first ``import torchtune`` (and the warning filters before ``import
+    torchao``); registers our recipes as torchtune's registry loads; resolves ``recipes`` to the working folder's
     package where torchtune's placeholder would shadow it; gives torchao's NF4 module under its old name
     (``torchao.dtypes.nf4tensor``, which torchtune and its tests import) where the installed torchao moved it.
     Finds nothing itself otherwise."""
@@ -207,6 +309,10 @@ class _CompatFinder(importlib.abc.MetaPathFinder):
     ) -> Optional[importlib.machinery.ModuleSpec]:
         if fullname == "torchtune":
             apply()
+        elif fullname == "torchao":
+            _quiet_known_warnings()
+        elif fullname == _REGISTRY:
+            return _registry_spec(path)
         elif fullname == "recipes":
             return _local_recipes_spec()
         elif fullname == _NF4_MODULES[0] and importlib.machinery.PathFinder.find_spec(fullname, path) is None:
@@ -266,6 +372,8 @@ def install_import_hook() -> None:
         sys.meta_path.insert(0, _CompatFinder())
     if "torchtune" in sys.modules:
         apply()
+    if _REGISTRY in sys.modules:
+        _register_recipes(sys.modules[_REGISTRY])
 
 
 def __getattr__(name: str) -> Any:

@@ -10,8 +10,14 @@ from typing import Dict, Optional, Union
 
 import torch
 
+from torchtune_ext.config import ConfigError
+
 DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ALIASES: Dict[str, str] = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
+
+
+class _NoBF16Error(ConfigError, RuntimeError):
+    """``dtype=bf16`` on a device without bf16: a config error (also a ``RuntimeError``, as before)."""
 
 
 def is_bf16_supported(device: torch.device) -> bool:
@@ -59,12 +65,12 @@ def parse_dtype(
     else:
         key = _ALIASES.get(str(name).lower(), str(name).lower())
         if key not in DTYPES:
-            raise ValueError(f"{what}={name!r} is not supported; use {what}=fp32, {what}=bf16 or {what}=fp16.")
+            raise ConfigError(f"{what}={name!r} is not supported; use {what}=fp32, {what}=bf16 or {what}=fp16.")
         dtype = DTYPES[key]
     if dtype not in DTYPES.values():
-        raise ValueError(f"{what}={dtype} is not supported; use {what}=fp32, {what}=bf16 or {what}=fp16.")
+        raise ConfigError(f"{what}={dtype} is not supported; use {what}=fp32, {what}=bf16 or {what}=fp16.")
     if dtype == torch.bfloat16 and device is not None and not is_bf16_supported(device):
-        raise RuntimeError(
+        raise _NoBF16Error(
             f"{what}=bf16 was requested but {device} does not support bf16 (e.g. a T4). Use {what}=fp32 (same "
             f"results, ~20% more memory) or {what}=fp16 (fp16 compute with fp32 adapters and loss scaling)."
         )

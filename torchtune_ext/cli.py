@@ -7,6 +7,10 @@ package, so that a plain ``pip install`` (no clone) runs them by name::
     tune-ext run --nproc_per_node 2 qlora_finetune_distributed --config tiny/qlora_distributed
     tune-ext cp llama3_2/1B_qlora_single_device my_config.yaml   # then: tune-ext run <recipe> --config my_config.yaml
     tune-ext cp qlora_finetune_single_device my_recipe.py        # edit its step; then: tune run my_recipe.py --config
+    tune-ext validate --config llama3_2/1B_qlora_single_device dtype=fp32   # every start-up check, nothing loaded
+    tune-ext cat tiny/qlora_single_device                        # print a shipped config
+
+torchtune's own ``tune ls`` / ``tune cp`` / ``tune run <recipe>`` know these recipes and configs too.
 
 ``run`` takes torchrun's flags before the recipe, as ``tune run`` does (``--nproc_per_node``, ``--nnodes``,
 ``--rdzv_endpoint``, ...); recipes and configs are names from ``tune-ext ls`` or paths to files.
@@ -17,45 +21,13 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from torchtune._cli.run import Run
 
-#: configs whose name contains this belong to the single-device recipe; the others to the distributed one.
-_SINGLE_DEVICE_MARK = "single_device"
-SINGLE_DEVICE_RECIPE = "qlora_finetune_single_device"
-DISTRIBUTED_RECIPE = "qlora_finetune_distributed"
-
-
-def recipe_files() -> Dict[str, Path]:
-    """
-    Returns:
-        Dict[str, Path]: recipe name -> the installed recipe file.
-    """
-    folder = Path(str(resources.files("torchtune_ext.recipes")))
-    return {path.stem: path for path in sorted(folder.glob("*.py")) if path.stem != "__init__"}
-
-
-def config_files() -> Dict[str, Path]:
-    """
-    Returns:
-        Dict[str, Path]: config name (``<model>/<config>``, no suffix) -> the installed YAML file.
-    """
-    folder = Path(str(resources.files("torchtune_ext.configs")))
-    return {path.relative_to(folder).with_suffix("").as_posix(): path for path in sorted(folder.rglob("*.yaml"))}
-
-
-def recipe_of(config_name: str) -> str:
-    """
-    Args:
-        config_name (str): a config name from :func:`config_files`.
-
-    Returns:
-        str: the recipe the config is written for.
-    """
-    return SINGLE_DEVICE_RECIPE if _SINGLE_DEVICE_MARK in config_name else DISTRIBUTED_RECIPE
+from torchtune_ext._shipped import config_files, recipe_files, recipe_of
+from torchtune_ext.config import exit_on_config_error
 
 
 def _resolve(name: str, known: Dict[str, Path], what: str) -> Path:
@@ -131,10 +103,31 @@ class _RunOurs(Run):
             self._run_single_device(args, is_builtin=True)
 
 
+def _validate(args: argparse.Namespace) -> None:
+    from torchtune.config._parse import TuneRecipeArgumentParser
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+
+    from torchtune_ext.config import validate
+
+    path = _resolve(args.config, config_files(), "config")
+    yaml_args, cli_args = TuneRecipeArgumentParser().parse_known_args(["--config", str(path), *args.overrides])
+    for line in validate(_merge_yaml_and_cli_args(yaml_args, cli_args)):
+        print(f"checked: {line}")
+    print(f"{path}: OK")
+
+
+def _cat(args: argparse.Namespace) -> None:
+    key = args.config[: -len(".yaml")] if args.config.endswith(".yaml") else args.config
+    if key not in config_files():
+        raise SystemExit(f"tune-ext: {args.config!r} is not a config of `tune-ext ls`.")
+    print(config_files()[key].read_text(), end="")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """
     Returns:
-        argparse.ArgumentParser: the ``tune-ext`` parser (subcommands ``ls``, ``cp``, ``run``).
+        argparse.ArgumentParser: the ``tune-ext`` parser (subcommands ``ls``, ``cp``, ``run``, ``validate``,
+        ``cat``).
     """
     parser = argparse.ArgumentParser(
         prog="tune-ext", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -149,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--make-parents", action="store_true", help="create the destination's missing folders")
     cp.set_defaults(func=_cp)
     _RunOurs(subparsers)
+    validate = subparsers.add_parser(
+        "validate", help="Run every start-up check of a config (with overrides) without loading weights or data."
+    )
+    validate.add_argument("--config", required=True, help="a config name from `tune-ext ls` or a YAML file")
+    validate.add_argument("overrides", nargs="*", help="key=value overrides, as for `run`")
+    validate.set_defaults(func=_validate)
+    cat = subparsers.add_parser("cat", help="Print a shipped config.")
+    cat.add_argument("config", help="a config name from `tune-ext ls`")
+    cat.set_defaults(func=_cat)
     return parser
 
 
@@ -160,7 +162,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     """
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    args.func(args)
+    exit_on_config_error("tune-ext")(args.func)(args)  # [issue 17] config errors: one line, exit code 2
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ state-dict tooling's argument errors are library calls.
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Dict, List
 
@@ -21,8 +23,10 @@ from reliability_utils import (
     DIST_CONFIG,
     DIST_RECIPE,
     REPO,
+    RUN_TIMEOUT_S,
     SINGLE_CONFIG,
     SINGLE_RECIPE,
+    TUNE,
     assert_no_leftovers,
     snapshot,
     tune,
@@ -30,11 +34,15 @@ from reliability_utils import (
 from safetensors.torch import load_file, save_file
 
 from torchtune_ext import _dtype
+from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE, TRACEBACK_ENV
 from torchtune_ext.data import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.integration_test]
 
 VOCAB_SIZE = 512
+ALPACA = "dataset._component_=torchtune.datasets.alpaca_dataset"
+#: a device type this machine lacks (the check lists the ones it has).
+ABSENT_DEVICE = "mps" if torch.cuda.is_available() else "cuda"
 RENAMED_FROM, RENAMED_TO = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate.weight"
 
 
@@ -93,6 +101,12 @@ def inputs(tmp_path_factory, recipe_module) -> Dict[str, Path]:
     a_file = root / "a_file"
     a_file.write_text("not a folder")
     paths["a_file"] = a_file
+    question_answer = root / "qa.json"
+    question_answer.write_text(json.dumps([{"question": "2+2?", "answer": "4"}] * 8))
+    paths["question_answer"] = question_answer
+    bad_jsonl = root / "bad.jsonl"
+    bad_jsonl.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c" "output": "d"}\n')
+    paths["bad_jsonl"] = bad_jsonl
 
     trained = root / "trained"
     cfg = _cfg(trained, base, ["stop_after_step=1", "max_steps_per_epoch=2"])
@@ -212,6 +226,35 @@ SINGLE_DEVICE_CASES = [
         id="data_set_not_reachable_offline",
     ),
     pytest.param(["dataset.num_samples=0"], "The data set gives 0 batches", "fresh", id="empty_data_set"),
+    # [issue 17] config checks (torchtune_ext.config.check_config), before anything is built
+    pytest.param(["dtpye=fp32"], "unknown key 'dtpye': did you mean 'dtype'?", "fresh", id="typo_in_a_key"),
+    pytest.param(["lora_rank=-1"], "did you mean 'model.lora_rank'?", "fresh", id="section_key_at_top_level"),
+    pytest.param(["model.lora_rank=0"], "model.lora_rank=0 must be an integer >= 1", "fresh", id="lora_rank_0"),
+    pytest.param(["model.lora_rank=-1"], "model.lora_rank=-1 must be an integer >= 1", "fresh", id="negative_rank"),
+    pytest.param(["model.lora_alpha=0"], "model.lora_alpha=0 must be a number > 0", "fresh", id="lora_alpha_0"),
+    pytest.param(["optimizer.lr=0"], "optimizer.lr=0 must be a number > 0", "fresh", id="lr_0"),
+    pytest.param(["epochs=0"], "epochs=0 must be a positive integer", "fresh", id="zero_epochs"),
+    pytest.param(
+        ["device=" + ABSENT_DEVICE], f"device='{ABSENT_DEVICE}' is not available", "fresh", id="device_not_there"
+    ),
+    pytest.param(
+        [ALPACA, "dataset.source=json", "dataset.data_files={out}_none/data.json"],
+        ["dataset.data_files=", "_none/data.json' does not exist"],
+        "fresh",
+        id="missing_data_file",
+    ),
+    pytest.param(
+        [ALPACA, "dataset.source=json", "dataset.data_files={bad_jsonl}"],
+        ["dataset.data_files: ", "bad.jsonl: line 2, column 21: invalid JSON"],
+        "fresh",
+        id="jsonl_that_does_not_parse",
+    ),
+    pytest.param(
+        [ALPACA, "dataset.source=json", "dataset.data_files={question_answer}"],
+        ["the data's columns are ['answer', 'question']", "dataset.column_map="],
+        "fresh",
+        id="columns_that_do_not_match",
+    ),
     pytest.param(["tokenizer.max_seq_len=4"], "max_seq_len", "fresh", id="max_seq_len_smaller_than_a_prompt"),
     pytest.param(["batch_size=0"], "batch_size=0 must be a positive integer", "fresh", id="zero_batch_size"),
     pytest.param(
@@ -364,6 +407,83 @@ def test_distributed_bad_input_fails_with_exit_code(inputs, tmp_path, nproc, ove
     assert snapshot(out) == before, f"written before the error: {sorted(set(snapshot(out)) - set(before))}"
     if not before:
         assert not out.exists()
+
+
+# [issue 17] config and input errors print one line each, exit 2, no traceback (TORCHTUNE_EXT_TRACEBACK=1: one)
+ONE_LINE_CASES = [
+    pytest.param(["dtpye=fp32"], ["unknown key 'dtpye': did you mean 'dtype'?"], id="typo_in_a_key"),
+    pytest.param(
+        ["dtpye=fp32", "model.lora_rank=0"],
+        ["unknown key 'dtpye': did you mean 'dtype'?", "model.lora_rank=0 must be an integer >= 1 (e.g. 8, 16, 64)"],
+        id="two_problems",
+    ),
+    pytest.param(
+        ["generate_base_checkpoint=None"],
+        ["generate_base_checkpoint=None: a config section cannot be turned off with None; it only writes the tiny"],
+        id="generate_base_checkpoint_none",
+    ),
+    pytest.param(["device=" + ABSENT_DEVICE], [f"device='{ABSENT_DEVICE}' is not available"], id="device_not_there"),
+    pytest.param(
+        [ALPACA, "dataset.source=json", "dataset.data_files={question_answer}"],
+        ["dataset: the data's columns are ['answer', 'question'], but torchtune.datasets.alpaca_dataset reads"],
+        id="columns_that_do_not_match",
+    ),
+    pytest.param(["dtype=int8"], ["dtype='int8' is not supported; use dtype=fp32, dtype=bf16"], id="int8"),
+    pytest.param(
+        ["checkpointer.checkpoint_dir={out}_no_such_model", "generate_base_checkpoint.checkpoint_dir={out}_elsewhere"],
+        ["_no_such_model' does not exist. Download the model first"],
+        id="missing_checkpoint_dir",
+    ),
+    pytest.param(["output_dir={a_file}/out"], ["/a_file/out' is not writable"], id="output_dir_below_a_file"),
+]
+
+
+def _recipe_run(overrides: List[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """``tune run`` of the single-device recipe on the tiny config, with the inherited environment."""
+    full_env = {**{k: v for k, v in os.environ.items() if k != TRACEBACK_ENV}, "OMP_NUM_THREADS": "1", **env}
+    args = [str(TUNE), "run", SINGLE_RECIPE, "--config", str(SINGLE_CONFIG), *overrides]
+    return subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("overrides, lines", ONE_LINE_CASES)
+def test_config_errors_print_one_line_each_and_exit_2(inputs, tmp_path, overrides, lines):
+    out = tmp_path / "out"
+    values = {**{k: str(v) for k, v in inputs.items()}, "out": str(out)}
+    paths = [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}"]
+    run = _recipe_run([*paths, *[o.format(**values) for o in overrides]], REPO)
+    assert run.returncode == CONFIG_ERROR_EXIT_CODE, run.stderr[-4000:]
+    output = run.stdout + run.stderr
+    assert "Traceback" not in output, output[-4000:]
+    errors = [line for line in output.splitlines() if line.startswith("qlora_finetune_single_device: error: ")]
+    assert len(errors) == len(lines), output[-4000:]
+    for error, expected in zip(errors, lines):
+        assert expected in error, error
+    assert not out.exists()
+
+
+@pytest.mark.distributed
+def test_a_config_error_on_2_ranks_prints_its_line_once(tmp_path):
+    """Every rank finds it before the process group starts; rank 0 prints it (torchrun then reports the failure)."""
+    full_env = {**{k: v for k, v in os.environ.items() if k != TRACEBACK_ENV}, "OMP_NUM_THREADS": "1"}
+    args = [str(TUNE), "run", "--standalone", "--nproc_per_node", "2", DIST_RECIPE, "--config", str(DIST_CONFIG)]
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [*args, f"output_dir={out}", "dtpye=fp32"], cwd=REPO, env=full_env, capture_output=True, text=True,
+        timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode != 0
+    errors = [line for line in output.splitlines() if line.startswith("qlora_finetune_distributed: error: ")]
+    assert errors == ["qlora_finetune_distributed: error: unknown key 'dtpye': did you mean 'dtype'?"], output[-4000:]
+    assert "ConfigError" not in output  # no rank's traceback
+    assert not out.exists()
+
+
+def test_the_traceback_on_request(inputs, tmp_path):
+    run = _recipe_run([f"output_dir={tmp_path / 'out'}", "dtpye=fp32"], REPO, **{TRACEBACK_ENV: "1"})
+    assert run.returncode == 1
+    assert "Traceback (most recent call last)" in run.stderr
+    assert "ConfigError: unknown key 'dtpye': did you mean 'dtype'?" in run.stderr
 
 
 # ---------------------------------------------------------------------------------------------------- library

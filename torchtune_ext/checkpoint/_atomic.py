@@ -18,6 +18,8 @@ from typing import Any, Iterator, List, Union
 
 import torch
 
+from torchtune_ext.config import ConfigError
+
 PathLike = Union[str, Path]
 
 
@@ -133,7 +135,7 @@ def check_writable(folder: PathLike, what: str) -> None:
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(
+        raise ConfigError(
             f"{what}={str(folder)!r} is not writable ({ancestor} is not a folder this user can write to); set "
             f"{what} to a writable folder."
         )

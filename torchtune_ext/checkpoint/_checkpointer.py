@@ -46,6 +46,7 @@ from torchtune_ext.checkpoint._hf import (
     write_hf_model_files,
     write_json,
 )
+from torchtune_ext.config import ConfigFileNotFoundError  # [issue 17] one line, no traceback
 from torchtune_ext.modules.vocab_pruning import is_vocab_key
 from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4
 
@@ -80,7 +81,7 @@ def resolve_checkpoint_files(
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(
+        raise ConfigFileNotFoundError(
             f"checkpointer.checkpoint_dir={str(checkpoint_dir)!r} does not exist. Download the model first (e.g. "
             "`tune download <hf-repo> --output-dir <dir>`) and point checkpointer.checkpoint_dir at it."
         )
@@ -105,7 +106,7 @@ def resolve_checkpoint_files(
     paths = sorted(checkpoint_dir / n for n in names)
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
-        raise FileNotFoundError(
+        raise ConfigFileNotFoundError(
             f"Checkpoint file(s) not found: {missing}. Fix checkpointer.checkpoint_files (or set it to null to read "
             f"{SAFETENSORS_INDEX}) or checkpointer.checkpoint_dir."
         )

@@ -11,6 +11,7 @@ precision.
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
@@ -128,6 +129,21 @@ def build_qlora(
     return model
 
 
+#: the arguments of :func:`build_qlora` that a QLoRA builder adds to the torchtune builder's.
+_QLORA_ARGS = ("dtype", "adapter_dtype", "frozen_dtype", "device", "seed")
+
+
+def _builder_signature(torchtune_builder: Callable[..., TransformerDecoder]) -> inspect.Signature:
+    """The torchtune builder's arguments (less ``quantize_base``, which is always NF4 here) plus ours."""
+    ours = inspect.signature(build_qlora).parameters
+    theirs = [p for p in inspect.signature(torchtune_builder).parameters.values() if p.name != "quantize_base"]
+    var_keyword = [p for p in theirs if p.kind == p.VAR_KEYWORD]
+    theirs = [p for p in theirs if p.kind != p.VAR_KEYWORD]
+    return inspect.Signature(
+        [*theirs, *(ours[name] for name in _QLORA_ARGS), *var_keyword], return_annotation=TransformerDecoder
+    )
+
+
 def qlora_builder(torchtune_builder: Callable[..., TransformerDecoder]) -> Callable[..., TransformerDecoder]:
     """Wraps a torchtune ``lora_*`` builder into a QLoRA builder with ``dtype``/``adapter_dtype``/``device``.
 
@@ -142,6 +158,7 @@ def qlora_builder(torchtune_builder: Callable[..., TransformerDecoder]) -> Calla
         return build_qlora(torchtune_builder, lora_attn_modules=lora_attn_modules, **kwargs)
 
     builder.__name__ = builder.__qualname__ = "q" + torchtune_builder.__name__
+    builder.__signature__ = _builder_signature(torchtune_builder)  # what config checks read (inspect.signature)
     builder.__doc__ = (
         f"QLoRA version of ``{torchtune_builder.__module__}.{torchtune_builder.__name__}``: same arguments "
         "(``lora_attn_modules``, ``apply_lora_to_mlp``, ``apply_lora_to_output``, ``lora_rank``, ``lora_alpha``, "

@@ -56,6 +56,7 @@ from tqdm import tqdm
 
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import MERGE_BASES, QLoRAHFCheckpointer, load_base_, read_hf_config
+from torchtune_ext.config import check_config  # [issue 17]
 from torchtune_ext.distributed import (
     all_reduce_grads,
     all_reduce_sum,
@@ -166,6 +167,7 @@ class QLoRARecipe(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         # A dry run estimates for the configured device type, which this machine need not have.
         self._dry_run = bool(cfg.get("dry_run", False))
+        check_config(cfg, dry_run=self._dry_run)  # [issue 17] keys, ranges, device, files: before anything is done
         if not self._dry_run and str(cfg.device).startswith("cuda"):
             # Before CUDA allocates: growable segments instead of fixed blocks leave little fragmentation when
             # batch shapes vary (the memory estimate's allowance assumes it; the user's own setting is kept).

@@ -18,6 +18,7 @@ from torchtune.datasets import ConcatDataset
 from torchtune.modules.peft import get_lora_module_names
 
 from torchtune_ext._dtype import parse_dtype
+from torchtune_ext.config import TOKENIZER_FILE_KEYS, ConfigError, missing_tokenizer_file
 from torchtune_ext.distributed import VOCAB_PRUNING_SHARDING
 from torchtune_ext.modules.vocab_pruning import VocabPruning, collect_token_ids, load_kept_ids, validate_kept_ids
 
@@ -65,7 +66,7 @@ def positive_int(cfg: DictConfig, key: str, default: Optional[int]) -> Optional[
     """
     value = cfg.get(key, default)
     if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"{key}={value!r} must be a positive integer{' or null' if default is None else ''}.")
+        raise ConfigError(f"{key}={value!r} must be a positive integer{' or null' if default is None else ''}.")
     return value
 
 
@@ -202,17 +203,16 @@ def build_qlora_model(
         ) from err
 
 
-#: tokenizer arguments of torchtune's tokenizer builders that name files.
-_TOKENIZER_FILE_KEYS = ("path", "merges_file", "vocab_file", "special_tokens_path", "tokenizer_json_path")
 #: where network / hub failures come from (a data set that cannot be reached offline).
 _NETWORK_ERROR_MODULES = ("requests", "httpx", "urllib3", "huggingface_hub", "datasets")
 
 
-def build_tokenizer(cfg_tokenizer: DictConfig) -> Any:
+def build_tokenizer(cfg_tokenizer: DictConfig, checkpoint_dir: Optional[str] = None) -> Any:
     """Builds the tokenizer, first checking the files it names.
 
     Args:
         cfg_tokenizer (DictConfig): the ``tokenizer`` section.
+        checkpoint_dir (Optional[str]): the model's folder, for the hint of a missing file.
 
     Returns:
         Any: the tokenizer.
@@ -220,14 +220,10 @@ def build_tokenizer(cfg_tokenizer: DictConfig) -> Any:
     Raises:
         FileNotFoundError: naming the config key of a missing tokenizer file and the fix.
     """
-    for key in _TOKENIZER_FILE_KEYS:
+    for key in TOKENIZER_FILE_KEYS:
         value = cfg_tokenizer.get(key, None)
         if isinstance(value, str) and not Path(value).is_file():
-            raise FileNotFoundError(
-                f"tokenizer.{key}={value!r} does not exist. The tokenizer files ship with the model: download it "
-                f"(the config's header has the `tune download` line) and set tokenizer.{key} to the file in the "
-                f"model's folder (e.g. tokenizer.{key}=<checkpoint_dir>/{Path(value).name})."
-            )
+            raise missing_tokenizer_file(key, value, checkpoint_dir)  # [issue 17] the hint keeps the subfolder
     return config.instantiate(cfg_tokenizer)
 
 

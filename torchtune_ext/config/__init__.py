@@ -1,0 +1,40 @@
+"""Config checks: everything a recipe config can get wrong, found before any weight or data is loaded and before
+anything is written, reported one line per problem (:class:`ConfigError`) without a traceback."""
+
+from torchtune_ext.config._check import (
+    RECIPE_KEYS,
+    TOKENIZER_FILE_KEYS,
+    available_devices,
+    check_config,
+    missing_tokenizer_file,
+    read_json_records,
+    suggest,
+)
+from torchtune_ext.config._errors import (
+    CONFIG_ERROR_EXIT_CODE,
+    TRACEBACK_ENV,
+    ConfigError,
+    ConfigFileNotFoundError,
+    bad_value,
+    exit_on_config_error,
+    print_config_error,
+)
+from torchtune_ext.config._validate import validate
+
+__all__ = [
+    "CONFIG_ERROR_EXIT_CODE",
+    "RECIPE_KEYS",
+    "TOKENIZER_FILE_KEYS",
+    "TRACEBACK_ENV",
+    "ConfigError",
+    "ConfigFileNotFoundError",
+    "available_devices",
+    "bad_value",
+    "check_config",
+    "exit_on_config_error",
+    "missing_tokenizer_file",
+    "print_config_error",
+    "read_json_records",
+    "suggest",
+    "validate",
+]

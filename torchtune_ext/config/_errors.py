@@ -1,0 +1,82 @@
+"""The error type of bad configs and inputs, and how the entry points print it: one line per problem, no traceback
+(``TORCHTUNE_EXT_TRACEBACK=1`` shows it)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any, Callable, TypeVar
+
+#: set to 1 to get the traceback of a config error instead of its one-line message.
+TRACEBACK_ENV = "TORCHTUNE_EXT_TRACEBACK"
+#: the exit code of a run stopped by a config error (argparse's code for bad usage).
+CONFIG_ERROR_EXIT_CODE = 2
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ConfigError(ValueError):
+    """A bad config value or input file, found before anything is written. Its message is one line per problem, each
+    naming the key, the value and the fix.
+
+    Args:
+        message (str): the problem(s), one per line.
+        key (str): the config key at fault (the first one, when several are).
+    """
+
+    def __init__(self, message: str, key: str = ""):
+        super().__init__(message)
+        self.key = key
+
+
+class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
+    """A file or folder the config names does not exist (also a ``FileNotFoundError``)."""
+
+
+def bad_value(key: str, value: Any, problem: str, fix: str = "") -> ConfigError:
+    """
+    Args:
+        key (str): the config key, e.g. ``model.lora_rank``.
+        value (Any): its value.
+        problem (str): what is wrong with it.
+        fix (str): what to set instead (none where ``problem`` says it).
+
+    Returns:
+        ConfigError: ``"<key>=<value> <problem>; <fix>"``.
+    """
+    return ConfigError(f"{key}={value!r} {problem}" + (f"; {fix}" if fix else ""), key)
+
+
+def print_config_error(error: ConfigError, prog: str) -> None:
+    """Prints ``<prog>: error: <line>`` for each line of the error to stderr."""
+    for line in str(error).splitlines():
+        print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
+
+
+def exit_on_config_error(prog: str) -> Callable[[F], F]:
+    """Decorates an entry point: a :class:`ConfigError` prints its line(s) (rank 0 only under a launcher) and exits
+    with :data:`CONFIG_ERROR_EXIT_CODE`, without a traceback unless ``TORCHTUNE_EXT_TRACEBACK=1``.
+
+    Args:
+        prog (str): the name the lines start with (the recipe's or the command's).
+
+    Returns:
+        Callable[[F], F]: the decorator.
+    """
+
+    def decorate(main: F) -> F:
+        @functools.wraps(main)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return main(*args, **kwargs)
+            except ConfigError as error:
+                if os.environ.get(TRACEBACK_ENV, "") == "1":
+                    raise
+                if int(os.environ.get("RANK", "0")) == 0:
+                    print_config_error(error, prog)
+                sys.exit(CONFIG_ERROR_EXIT_CODE)
+
+        return run  # type: ignore[return-value]
+
+    return decorate
