@@ -408,16 +408,19 @@ class RecipeState:
 
     # --------------------------------------------------------------------------------------------- the resume
 
-    def check_resume(self, run: RunIdentity, kept_ids: Optional[List[int]], total_epochs: int) -> List[str]:
+    def check_resume(
+        self, run: RunIdentity, kept_ids: Optional[List[int]], total_epochs: int, world_size: int
+    ) -> List[str]:
         """Checks that this run is the saved one, before any weight loads.
 
         Args:
             run (RunIdentity): this run's identity and settings.
             kept_ids (Optional[List[int]]): this run's vocab-pruning kept ids.
             total_epochs (int): this run's ``epochs``.
+            world_size (int): this run's number of ranks.
 
         Returns:
-            List[str]: lines to log: the allowed changes, and whether the run had finished.
+            List[str]: lines to log: the allowed changes, and where the run resumes (or that it had finished).
 
         Raises:
             ValueError: listing every difference in what defines the run.
@@ -445,6 +448,8 @@ class RecipeState:
                 f"nothing is left to train. Its outputs: {', '.join(outputs) or '(none recorded)'}. To train "
                 f"further, raise epochs (e.g. epochs={self.epochs_run + 1}) and resume."
             )
+        else:
+            lines.append(self.describe_position(world_size))
         return lines
 
     def describe_position(self, world_size: int) -> str:

@@ -352,7 +352,7 @@ class QLoRARecipe(FTRecipeInterface):
         Raises:
             ValueError: listing what differs in what defines the run, or if the adapters differ.
         """
-        for line in state.check_resume(self._run, self._kept_ids, self.total_epochs):  # [issue 24]
+        for line in state.check_resume(self._run, self._kept_ids, self.total_epochs, self.world_size):  # [issue 24]
             self._info(line)
         check_adapter_state(self._model, state.adapter)
         if state.max_steps_per_epoch != self.max_steps_per_epoch:
@@ -364,7 +364,8 @@ class QLoRARecipe(FTRecipeInterface):
         self.epochs_run = state.epochs_run
         self.global_step = state.global_step
         self._steps_in_epoch_done = state.steps_in_epoch_done
-        self._info(state.describe_position(self.world_size))  # [issue 24]
+        if state.checkpoint is not None:  # [issue 24] the summary names it (a finished run trains no further)
+            self._last_checkpoint = Path(state.checkpoint)
 
     def _start_writing(self, cfg: DictConfig) -> None:
         """Rank 0, once everything has been checked: clears what killed writes of an earlier run left in the
