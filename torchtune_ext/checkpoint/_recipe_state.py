@@ -286,7 +286,7 @@ class RecipeState:
         loss_scaler (Dict[str, Any]): the loss scaler's state.
         rng_per_rank (List[Dict[str, Any]]): every rank's RNG states, plain (:func:`plain_rng_state`).
         kept_ids (Optional[List[int]]): vocab pruning's kept token ids.
-        checkpoint (Optional[str]): the step folder saved with it.
+        checkpoint (Optional[str]): the name of the step folder saved with it (in the output folder).
     """
 
     global_step: int
@@ -440,9 +440,9 @@ class RecipeState:
         if allowed:
             lines.append("Resuming with changed settings: " + "; ".join(allowed) + ".")
         if self.epochs_run >= total_epochs:
-            outputs = [] if self.checkpoint is None else [str(Path(self.checkpoint) / "adapter")]
-            merged = None if self.checkpoint is None else Path(self.checkpoint) / "merged"
-            outputs += [str(merged)] if merged is not None and merged.is_dir() else []
+            folder = self.checkpoint_path
+            outputs = [] if folder is None else [str(folder / "adapter")]
+            outputs += [str(folder / "merged")] if folder is not None and (folder / "merged").is_dir() else []
             lines.append(
                 f"This run had already finished: step {self.global_step}, epoch {self.epochs_run} of {total_epochs}; "
                 f"nothing is left to train. Its outputs: {', '.join(outputs) or '(none recorded)'}. To train "
@@ -451,6 +451,13 @@ class RecipeState:
         else:
             lines.append(self.describe_position(world_size))
         return lines
+
+    @property
+    def checkpoint_path(self) -> Optional[Path]:
+        """The step folder saved with this state: next to the ``recipe_state/`` folder it was loaded from."""
+        if self.checkpoint is None or self.source is None:
+            return None
+        return self.source.parent.parent / self.checkpoint
 
     def describe_position(self, world_size: int) -> str:
         """E.g. ``resumed at step 3, sample 12 of 64, on 1 rank; saved on 2``."""

@@ -364,8 +364,8 @@ class QLoRARecipe(FTRecipeInterface):
         self.epochs_run = state.epochs_run
         self.global_step = state.global_step
         self._steps_in_epoch_done = state.steps_in_epoch_done
-        if state.checkpoint is not None:  # [issue 24] the summary names it (a finished run trains no further)
-            self._last_checkpoint = Path(state.checkpoint)
+        if state.checkpoint_path is not None:  # [issue 24] the summary names it (a finished run trains no further)
+            self._last_checkpoint = state.checkpoint_path
 
     def _start_writing(self, cfg: DictConfig) -> None:
         """Rank 0, once everything has been checked: clears what killed writes of an earlier run left in the
@@ -755,7 +755,7 @@ class QLoRARecipe(FTRecipeInterface):
             loss_scaler=self._loss_scaler.state_dict(),
             rng_per_rank=[plain_rng_state(r) for r in rng],
             kept_ids=self._kept_ids,
-            checkpoint=str(self._last_checkpoint),
+            checkpoint=self._last_checkpoint.name,
         )
 
     def _rng_states(self) -> List[Dict[str, Any]]:

@@ -166,7 +166,7 @@ def test_identity_lists_every_difference_and_allows_settings(base, tmp_path):
 def test_a_finished_run_says_so(base):
     run = _identity(CFG, base / "model.safetensors")
     state = _state(run)
-    state.epochs_run, state.checkpoint = 1, "/out/step_8"
+    state.epochs_run, state.checkpoint, state.source = 1, "step_8", Path("/out/recipe_state/recipe_state.pt")
     (line,) = state.check_resume(run, kept_ids=None, total_epochs=1, world_size=1)
     assert line.startswith("This run had already finished: step 3, epoch 1 of 1") and "/out/step_8/adapter" in line
 
