@@ -113,12 +113,14 @@ def test_a_changed_lr_is_allowed_listed_and_used(runs, tmp_path):
     out, args = _resume(runs, tmp_path, f"optimizer.lr={NEW_LR}")
     rc, output = _start(args, tmp_path / "resume.log")
     assert rc == 0, output[-4000:]
-    assert f"Resuming with changed settings: optimizer.lr: {LR} -> {NEW_LR}" in output
+    assert "Resuming with changed settings (allowed):" in output
+    assert f"\n  optimizer.lr: {LR} -> {NEW_LR}\n" in output
     # The schedule continues at its step with the new peak lr (reference: torchtune's schedule on its own).
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=NEW_LR)
     schedule = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=STEPS)
     expected = {}
     for step in range(1, STEPS + 1):
+        optimizer.step()
         schedule.step()
         expected[step] = optimizer.param_groups[0]["lr"]
     lrs = logged(out / "logs", "lr")

@@ -438,7 +438,7 @@ class RecipeState:
         lines = []
         allowed = differences(self.settings, run.settings)
         if allowed:
-            lines.append("Resuming with changed settings: " + "; ".join(allowed) + ".")
+            lines.append("Resuming with changed settings (allowed):\n  " + "\n  ".join(allowed))
         if self.epochs_run >= total_epochs:
             folder = self.checkpoint_path
             outputs = [] if folder is None else [str(folder / "adapter")]

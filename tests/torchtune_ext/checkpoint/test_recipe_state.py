@@ -156,7 +156,7 @@ def test_identity_lists_every_difference_and_allows_settings(base, tmp_path):
     same = _identity(OmegaConf.merge(CFG, {"optimizer": {"lr": 1e-3}, "epochs": 2}), base / "model.safetensors")
     lines = state.check_resume(same, kept_ids=None, total_epochs=2, world_size=1)
     assert lines == [
-        "Resuming with changed settings: epochs: 1 -> 2; optimizer.lr: 0.003 -> 0.001.",
+        "Resuming with changed settings (allowed):\n  epochs: 1 -> 2\n  optimizer.lr: 0.003 -> 0.001",
         "Resumed at step 3, epoch 1, sample 24 of 64, on 1 rank; saved on 2.",
     ]
     with pytest.raises(ValueError, match="vocab_pruning kept token ids"):
