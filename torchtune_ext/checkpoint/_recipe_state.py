@@ -391,10 +391,15 @@ class RecipeState:
         try:
             raw = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as err:
+            # A reference to any class or function (a callable to call on load) is refused; other errors are damage.
             found = re.search(r"GLOBAL ([\w.]+)", str(err))
+            if found is None:
+                raise ValueError(
+                    f"{path} is not a readable recipe state ({_unpickling_reason(err)}). Delete it "
+                    "to start over, or set checkpointer.recipe_checkpoint to another recipe_state.pt."
+                ) from None
             raise UnsafeRecipeStateError(
-                f"{path} holds Python objects, not only tensors and plain data"
-                + (f" (it references {found.group(1)})" if found else "")
+                f"{path} holds Python objects, not only tensors and plain data (it references {found.group(1)})"
                 + "; it was not loaded and nothing in it ran. A recipe state of this version never does: it was "
                 "written by an older torchtune_ext or altered. Delete it to start over, or set "
                 "checkpointer.recipe_checkpoint to a recipe state you trust."
@@ -522,6 +527,13 @@ def _batch_hint(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
         f"(global_batch_size is samples per micro-batch over all ranks: batch_size per rank x ranks; set "
         f"global_batch_size={old} (distributed recipe) or batch_size so that it is {old} on this number of ranks)"
     ]
+
+
+def _unpickling_reason(err: Exception) -> str:
+    """The line of torch's weights-only error that says what failed (it is framed by advice)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Check the documentation")]
+    return lines[-1][:200] if lines else type(err).__name__
 
 
 def previous_path(path: PathLike) -> Path:
