@@ -730,7 +730,7 @@ class QLoRARecipe(FTRecipeInterface):
         self, end_of_epoch: bool, adapters: Dict[str, torch.Tensor], optimizer: Dict[str, Any], rng: List[Any]
     ) -> RecipeState:
         """What :meth:`save_checkpoint` saves to resume (rank 0), the data position over all ranks."""
-        steps_in_epoch = 0 if end_of_epoch else self._steps_in_epoch_done
+        steps_in_epoch = 0 if end_of_epoch else self._steps_in_epoch_done  # a new epoch: a fresh pass over the data
         samples_per_step = self._batch_size * self.world_size * self._gradient_accumulation_steps
         return RecipeState(
             global_step=self.global_step,
@@ -740,7 +740,6 @@ class QLoRARecipe(FTRecipeInterface):
             max_steps_per_epoch=self.max_steps_per_epoch,
             identity=self._run.identity,
             settings=self._run.settings,
-            # A new epoch starts a fresh pass over the data.
             position=DataPosition(
                 epoch=self.epochs_run,
                 samples_consumed=steps_in_epoch * samples_per_step,
