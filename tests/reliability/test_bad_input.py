@@ -277,19 +277,19 @@ SINGLE_DEVICE_CASES = [
     ),
     pytest.param(
         ["resume_from_checkpoint=True", "model.lora_rank=8"],
-        "do not match the model's",
+        "model.lora_rank: 16 -> 8",
         "resume",
         id="resume_with_another_lora_rank",
     ),
     pytest.param(
         ["resume_from_checkpoint=True", "model.lora_attn_modules=[q_proj,v_proj]"],
-        "do not match the model's",
+        "model.lora_attn_modules: ['q_proj', 'k_proj', 'v_proj', 'output_proj'] -> ['q_proj', 'v_proj']",
         "resume",
         id="resume_with_other_lora_modules",
     ),
     pytest.param(
         ["resume_from_checkpoint=True", "dtype=bf16"],
-        "The recipe state was saved with dtype torch.float32 but this run uses torch.bfloat16",
+        "dtype: float32 -> bfloat16",
         "resume",
         id="resume_with_another_dtype",
     ),
@@ -377,7 +377,7 @@ def test_output_folder_not_writable_fails_with_exit_code(inputs, tmp_path):
         pytest.param(
             2,
             ["resume_from_checkpoint=True", "model.lora_rank=8"],
-            "do not match the model's",
+            "model.lora_rank: 16 -> 8",
             id="resume_with_another_lora_rank",
         ),
     ],

@@ -24,16 +24,28 @@ from torchtune_ext.checkpoint._hf import (
 )
 from torchtune_ext.checkpoint._load import LOAD_CHUNK_BYTES, load_base_
 from torchtune_ext.checkpoint._random import write_random_hf_checkpoint
+from torchtune_ext.checkpoint._recipe_state import (
+    DataPosition,
+    RecipeState,
+    RunIdentity,
+    UnsafeRecipeStateError,
+    plain_rng_state,
+    previous_path,
+)
 
 __all__ = [
     "ADAPTER_DIRNAME",
+    "DataPosition",
     "LOAD_CHUNK_BYTES",
     "MERGED_DIRNAME",
     "MERGE_BASES",
     "QLoRAHFCheckpointer",
     "RECIPE_STATE_DIRNAME",
+    "RecipeState",
+    "RunIdentity",
     "SAFETENSORS_INDEX",
     "SUPPORTED_MODEL_TYPES",
+    "UnsafeRecipeStateError",
     "HFConverter",
     "atomic_directory",
     "atomic_save",
@@ -43,6 +55,8 @@ __all__ = [
     "llama3_2_hf_config",
     "load_base_",
     "peft_adapter_config",
+    "plain_rng_state",
+    "previous_path",
     "qwen2_hf_config",
     "read_hf_config",
     "remove_stale_temporaries",

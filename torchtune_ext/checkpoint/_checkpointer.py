@@ -16,8 +16,9 @@ weights kept packed):
   would apply them on top of already merged weights. ``merge_base="nf4"`` (default, as torchtune) merges onto the
   NF4-dequantized base, i.e. exactly the trained model; ``"original"`` onto the checkpoint's own weights, read
   tensor by tensor.
-- ``recipe_state/recipe_state.pt``: adapters in torchtune keys, optimizer, LR scheduler, loss scaler, data
-  loader position, RNG states, step, for ``resume_from_checkpoint=True``.
+- ``recipe_state/recipe_state.pt`` (and the one before, ``recipe_state.prev.pt``): a
+  :class:`~torchtune_ext.checkpoint.RecipeState` (adapters in torchtune keys, optimizer, LR scheduler, loss scaler,
+  global data position, RNG states, step, the run's identity), for ``resume_from_checkpoint=True``.
 
 Every write is atomic (``_atomic``).
 """
@@ -36,7 +37,7 @@ from torchtune.modules.peft import get_merged_lora_ckpt
 from torchtune.training.checkpointing._utils import FormattedCheckpointFiles
 
 from torchtune_ext.checkpoint import _safetensors
-from torchtune_ext.checkpoint._atomic import atomic_directory, atomic_save, check_writable, remove_stale_temporaries
+from torchtune_ext.checkpoint._atomic import atomic_directory, check_writable, remove_stale_temporaries
 from torchtune_ext.checkpoint._hf import (
     SAFETENSORS_INDEX,
     HFConverter,
@@ -46,6 +47,7 @@ from torchtune_ext.checkpoint._hf import (
     write_hf_model_files,
     write_json,
 )
+from torchtune_ext.checkpoint._recipe_state import RecipeState  # [issue 24]
 from torchtune_ext.config import ConfigFileNotFoundError  # [issue 17] one line, no traceback
 from torchtune_ext.modules.vocab_pruning import is_vocab_key
 from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4
@@ -436,48 +438,28 @@ class QLoRAHFCheckpointer:
         folders = {self.output_dir, self.output_dir / RECIPE_STATE_DIRNAME, self.recipe_checkpoint.parent}
         return [path for folder in sorted(folders) for path in remove_stale_temporaries(folder)]
 
-    def save_recipe_state(self, state: Dict[str, Any]) -> Path:
-        """Atomically writes the recipe state for resuming.
+    def save_recipe_state(self, state: RecipeState) -> Path:
+        """Atomically writes the recipe state for resuming, keeping the previous one (see :class:`RecipeState`).
 
         Args:
-            state (Dict[str, Any]): the state.
+            state (RecipeState): the state.
 
         Returns:
             Path: the file.
         """
-        path = self.output_dir / RECIPE_STATE_DIRNAME / RECIPE_STATE_FILENAME
-        atomic_save(state, path)
-        return path
+        return state.save(self.output_dir / RECIPE_STATE_DIRNAME / RECIPE_STATE_FILENAME)  # [issue 24]
 
-    def load_recipe_state(self) -> Dict[str, Any]:
+    def load_recipe_state(self) -> RecipeState:
         """
         Returns:
-            Dict[str, Any]: the saved recipe state.
+            RecipeState: the saved recipe state, or the previous one if it cannot be read (see
+            :meth:`RecipeState.load`).
 
         Raises:
             FileNotFoundError: if there is none.
-            ValueError: if it is not a readable recipe state.
+            ValueError: if it is not a readable recipe state, or holds anything but tensors and plain data.
         """
-        if not self.recipe_checkpoint.is_file():
-            raise FileNotFoundError(
-                f"resume_from_checkpoint=True but {self.recipe_checkpoint} does not exist: resume with the same "
-                "output_dir as the interrupted run, or set checkpointer.recipe_checkpoint to its recipe_state.pt."
-            )
-        try:
-            state = torch.load(self.recipe_checkpoint, map_location="cpu", weights_only=False)
-        except Exception as err:
-            raise ValueError(
-                f"{self.recipe_checkpoint} is not a readable recipe state ({type(err).__name__}: {str(err)[:200]}). "
-                "Delete it to start over, or set checkpointer.recipe_checkpoint to another recipe_state.pt."
-            ) from err
-        missing = (
-            [k for k in ("global_step", "epochs_run", "adapter", "optimizer", "dtype") if k not in state]
-            if isinstance(state, dict)
-            else ["a dict"]
-        )
-        if missing:
-            raise ValueError(f"{self.recipe_checkpoint} is not a readable recipe state (it lacks {missing}).")
-        return state
+        return RecipeState.load(self.recipe_checkpoint)  # [issue 24]
 
 
 #: PEFT trainable-tokens module name -> (torchtune key of the full-vocabulary weight, PEFT key of its rows).

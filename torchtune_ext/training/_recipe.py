@@ -55,7 +55,16 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from torchtune_ext._dtype import parse_dtype
-from torchtune_ext.checkpoint import MERGE_BASES, QLoRAHFCheckpointer, load_base_, read_hf_config
+from torchtune_ext.checkpoint import (
+    MERGE_BASES,
+    DataPosition,
+    QLoRAHFCheckpointer,
+    RecipeState,
+    RunIdentity,
+    load_base_,
+    plain_rng_state,
+    read_hf_config,
+)
 from torchtune_ext.config import check_config  # [issue 17]
 from torchtune_ext.distributed import (
     all_reduce_grads,
@@ -242,6 +251,7 @@ class QLoRARecipe(FTRecipeInterface):
         self._check_data(dataset, val_dataset, cfg.tokenizer.get("max_seq_len", None))
         if self._vocab_pruning_cfg is not None:
             self._resolve_kept_ids(dataset, val_dataset)
+        self._run = self._run_identity(cfg, dataset)  # [issue 24] what a resume must match
         state = self._checkpointer.load_recipe_state() if self._resume_from_checkpoint else None
         if state is not None:
             self._check_recipe_state(state)
@@ -340,42 +350,38 @@ class QLoRARecipe(FTRecipeInterface):
         )
         self._info(f"Vocab pruning: keeping {len(self._kept_ids)} of {vocab_size} token ids.")
 
-    def _check_recipe_state(self, state: Dict[str, Any]) -> None:
-        """Checks a resumed recipe state against this run (adapter shapes, dtype, kept ids) and takes its seed and
-        position.
+    def _run_identity(self, cfg: DictConfig, dataset: Any) -> RunIdentity:
+        """What defines this run (recorded in every recipe state, checked on resume) and its other settings."""
+        dtypes = {"dtype": self._dtype, "adapter_dtype": self._adapter_dtype, "frozen_dtype": self._frozen_dtype}
+        return RunIdentity.from_config(
+            cfg,
+            checkpoint_paths=self._checkpointer.checkpoint_paths,
+            dataset_size=len(dataset),
+            global_batch_size=self._batch_size * self.world_size,
+            dtypes=dtypes,
+        )
+
+    def _check_recipe_state(self, state: RecipeState) -> None:
+        """Checks a resumed recipe state against this run (its identity, adapter shapes, kept ids) before any
+        weight loads, logs the allowed changes, and takes its position.
 
         Raises:
-            ValueError: if the adapters, the dtype or the kept token ids differ.
+            ValueError: listing what differs in what defines the run, or if the adapters differ.
         """
-        check_adapter_state(self._model, state["adapter"])
-        if state["dtype"] != str(self._dtype):
-            raise ValueError(
-                f"The recipe state was saved with dtype {state['dtype']} but this run uses {self._dtype}; "
-                "resume with the same dtype."
-            )
-        if state.get("kept_ids") != self._kept_ids:
-            raise ValueError(
-                "The recipe state's vocab pruning (kept token ids) differs from this run's; resume with the same "
-                "vocab_pruning settings and data."
-            )
-        saved_world = state.get("world_size", 1)
-        if saved_world != self.world_size and state["dataloader"] is not None:
-            self._info(
-                f"The recipe state was saved with {saved_world} rank(s), this run has {self.world_size}: the data "
-                "position within the epoch is kept but the samples each rank sees differ from an uninterrupted run."
-            )
-        if state["seed"] != self.seed:
-            self._info(f"Config seed {self.seed} differs from the checkpoint's; using {state['seed']}.")
-            self.seed = state["seed"]
-        if state["max_steps_per_epoch"] != self.max_steps_per_epoch:
+        for line in state.check_resume(self._run, self._kept_ids, self.total_epochs, self.world_size):  # [issue 24]
+            self._info(line)
+        check_adapter_state(self._model, state.adapter)
+        if state.max_steps_per_epoch != self.max_steps_per_epoch:
             self._info(
                 f"Config max_steps_per_epoch={self.max_steps_per_epoch} differs from the checkpoint's; using "
-                f"{state['max_steps_per_epoch']}."
+                f"{state.max_steps_per_epoch}."
             )
-            self.max_steps_per_epoch = state["max_steps_per_epoch"]
-        self.epochs_run = state["epochs_run"]
-        self.global_step = state["global_step"]
-        self._steps_in_epoch_done = state["steps_in_epoch_done"]
+            self.max_steps_per_epoch = state.max_steps_per_epoch
+        self.epochs_run = state.epochs_run
+        self.global_step = state.global_step
+        self._steps_in_epoch_done = state.steps_in_epoch_done
+        if state.checkpoint_path is not None:  # [issue 24] the summary names it (a finished run trains no further)
+            self._last_checkpoint = state.checkpoint_path
 
     def _start_writing(self, cfg: DictConfig) -> None:
         """Rank 0, once everything has been checked: clears what killed writes of an earlier run left in the
@@ -390,7 +396,7 @@ class QLoRARecipe(FTRecipeInterface):
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
 
-    def _load_model(self, state: Optional[Dict[str, Any]]) -> None:
+    def _load_model(self, state: Optional[RecipeState]) -> None:
         """Prunes (meta), marks trainable params, wraps, shards, then streams the base in and initialises (or
         restores) the adapters; every rank holds only its shards throughout."""
         start = time.perf_counter()
@@ -399,7 +405,7 @@ class QLoRARecipe(FTRecipeInterface):
         self._prepare_model(model)
         self._parallelize()
         load_base_(model, self._checkpointer, self._device, pruning=self._pruning, sharded_device=self._sharded_device)
-        init_adapters_(model, self._device, state["adapter"] if state is not None else None)
+        init_adapters_(model, self._device, state.adapter if state is not None else None)
         training.validate_no_params_on_meta_device(model)
 
         adapters = self._adapter_params = get_adapter_params(model)
@@ -514,17 +520,16 @@ class QLoRARecipe(FTRecipeInterface):
         )
         return sampler, dataloader
 
-    def _setup_schedule(self, cfg: DictConfig, state: Optional[Dict[str, Any]]) -> None:
+    def _setup_schedule(self, cfg: DictConfig, state: Optional[RecipeState]) -> None:
         """Steps per epoch (at least one: ``_check_data``), the LR scheduler, and (resuming) the optimizer, loss
         scaler, data and RNG positions."""
         self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        if state is not None:
-            load_full_optimizer_state(self._optimizer, state["optimizer"])
-            self._loss_scaler.load_state_dict(state["loss_scaler"])
-            if state["dataloader"] is not None:
-                self._dataloader.load_state_dict(state["dataloader"])
+        if state is not None:  # [issue 24] this run's optimizer hyperparameters; the global data position
+            hyperparameters = state.restore_optimizer_(self._optimizer, load_full_optimizer_state)
+            self._loss_scaler.load_state_dict(state.loss_scaler)
+            state.restore_sampler_(self._sampler, self.world_size)
         self._lr_scheduler = config.instantiate(
             cfg.lr_scheduler,
             self._optimizer,
@@ -534,11 +539,8 @@ class QLoRARecipe(FTRecipeInterface):
         # Restored when training starts, after the data loader iterator has drawn its seed.
         self._rng_to_restore = None
         if state is not None:
-            self._lr_scheduler.load_state_dict(state["lr_scheduler"])
-            per_rank = state.get("rng_per_rank")
-            self._rng_to_restore = (
-                per_rank[self.rank] if per_rank and len(per_rank) == self.world_size else state["rng"]
-            )
+            state.restore_lr_scheduler_(self._lr_scheduler, hyperparameters)  # [issue 24]
+            self._rng_to_restore = state.rng_for(self.rank, self.world_size)  # [issue 24]
         self._info(f"Memory after setup: {format_memory_stats(self._memory_metrics())}")
 
     # ---------------------------------------------------------------------------------------------- cross-rank
@@ -751,22 +753,36 @@ class QLoRARecipe(FTRecipeInterface):
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
-    def _progress_state(self, end_of_epoch: bool) -> Dict[str, Any]:
-        return {
-            "global_step": self.global_step,
-            "epochs_run": self.epochs_run,
-            "steps_in_epoch_done": 0 if end_of_epoch else self._steps_in_epoch_done,
-            "seed": self.seed,
-            "total_epochs": self.total_epochs,
-            "max_steps_per_epoch": self.max_steps_per_epoch,
-            "dtype": str(self._dtype),
-            "lr_scheduler": self._lr_scheduler.state_dict(),
-            "loss_scaler": self._loss_scaler.state_dict(),
-            # A new epoch starts a fresh pass over the data.
-            "dataloader": None if end_of_epoch else self._dataloader.state_dict(),
-            "kept_ids": self._kept_ids,
-            "world_size": self.world_size,
-        }
+    def _recipe_state(
+        self, end_of_epoch: bool, adapters: Dict[str, torch.Tensor], optimizer: Dict[str, Any], rng: List[Any]
+    ) -> RecipeState:
+        """What :meth:`save_checkpoint` saves to resume (rank 0), the data position over all ranks."""
+        steps_in_epoch = 0 if end_of_epoch else self._steps_in_epoch_done  # a new epoch: a fresh pass over the data
+        samples_per_step = self._batch_size * self.world_size * self._gradient_accumulation_steps
+        return RecipeState(
+            global_step=self.global_step,
+            epochs_run=self.epochs_run,
+            steps_in_epoch_done=steps_in_epoch,
+            total_epochs=self.total_epochs,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+            identity=self._run.identity,
+            settings=self._run.settings,
+            position=DataPosition(
+                epoch=self.epochs_run,
+                samples_consumed=steps_in_epoch * samples_per_step,
+                dataset_size=len(self._sampler.dataset),
+                seed=self._sampler.seed,
+                shuffle=bool(self._sampler.shuffle),
+                world_size=self.world_size,
+            ),
+            adapter=adapters,
+            optimizer=optimizer,
+            lr_scheduler=self._lr_scheduler.state_dict(),
+            loss_scaler=self._loss_scaler.state_dict(),
+            rng_per_rank=[plain_rng_state(r) for r in rng],
+            kept_ids=self._kept_ids,
+            checkpoint=self._last_checkpoint.name,
+        )
 
     def _rng_states(self) -> List[Dict[str, Any]]:
         """Every rank's RNG states, on every rank. Collective."""
@@ -805,14 +821,8 @@ class QLoRARecipe(FTRecipeInterface):
                 dtype=self._dtype,
                 merge_base=self._merge_base,
             )
-            recipe_state = {
-                **self._progress_state(end_of_epoch),
-                "adapter": adapters,
-                "optimizer": optimizer,
-                "rng": rng[0],
-                "rng_per_rank": rng,
-            }
-            self._checkpointer.save_recipe_state(recipe_state)
+            # [issue 24] one typed recipe state
+            self._checkpointer.save_recipe_state(self._recipe_state(end_of_epoch, adapters, optimizer, rng))
             log.info(f"Checkpoint saved to {self._last_checkpoint} in {time.perf_counter() - start:.1f} s.")
         del state
         if dist.is_initialized():

@@ -1,0 +1,170 @@
+"""A resume is the same run, or it is refused (issue 24 items 2 and 3, issue 23 item 7), with real recipe processes
+and real files.
+
+One single-device run is stopped after step 2 (a resumable state after steps 1 and 2: ``recipe_state.pt`` and
+``recipe_state.prev.pt``); each test resumes a copy of its output folder:
+
+- changed ``model.lora_alpha``, other base weights of the same shapes, another model family, another data set size,
+  another batch size: refused before any weight loads, listing each difference; nothing under the output folder
+  changes;
+- a changed lr: allowed, listed in the log, and the schedule continues with the new peak lr;
+- a recipe state carrying a pickled callable: refused with a clear error, and the callable never runs;
+- a truncated newest recipe state: the previous one is used, saying so, and the losses equal an uninterrupted run;
+- a finished run: says so, with the step and the outputs' paths.
+"""
+
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+from reliability_utils import HERE, REPO, SINGLE_CONFIG, SINGLE_RECIPE, TUNE, Run, env, logged, small_run, snapshot
+from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
+
+from torchtune_ext.data import write_tiny_checkpoint
+
+pytestmark = [pytest.mark.integration_test]
+
+STEPS, STOP = 4, 2
+LR, NEW_LR = 3e-3, 1e-3
+TOLERANCE = 1e-5
+
+
+def _args(out: Path, base: Path, *extra: str) -> List[str]:
+    return small_run(out, base, STEPS, out / "logs") + ["batch_size=16", f"optimizer.lr={LR}", *extra]
+
+
+def _start(args: List[str], log: Path) -> Tuple[int, str]:
+    """Runs the single-device recipe on this checkout's code; returns its exit code and output."""
+    run_env = {**env(), "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)])}
+    run = Run([str(TUNE), "run", SINGLE_RECIPE, "--config", str(SINGLE_CONFIG), *args], run_env, log)
+    return run.wait(), run.output
+
+
+def _check(args: List[str], log: Path) -> None:
+    rc, output = _start(args, log)
+    assert rc == 0, f"run failed (rc {rc}):\n{output[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Dict[str, Path]:
+    """The base checkpoints, the stopped run (step 2) and an uninterrupted one (step 4)."""
+    tmp = tmp_path_factory.mktemp("changed_resume")
+    bases = {
+        "base": write_tiny_checkpoint(tmp / "base", family="llama", dtype="fp32", seed=0),
+        "other_base": write_tiny_checkpoint(tmp / "other_base", family="llama", dtype="fp32", seed=1),
+        "qwen_base": write_tiny_checkpoint(tmp / "qwen_base", family="qwen", dtype="fp32", seed=0),
+    }
+    stopped, straight = tmp / "stopped", tmp / "straight"
+    _check(_args(stopped, bases["base"], f"stop_after_step={STOP}", "save_every_n_steps=1"), tmp / "stopped.log")
+    _check(_args(straight, bases["base"]), tmp / "straight.log")
+    return {**bases, "stopped": stopped, "straight": straight}
+
+
+def _resume(runs: Dict[str, Path], tmp_path: Path, *extra: str, source: str = "stopped"):
+    """A copy of a run's output folder and the arguments that resume it."""
+    out = tmp_path / "out"
+    shutil.copytree(runs[source], out)
+    args = _args(out, runs["base"], "resume_from_checkpoint=True", *extra)
+    return out, args
+
+
+CHANGES = [
+    pytest.param(["model.lora_alpha=4"], ["model.lora_alpha: 32 -> 4"], id="lora_alpha"),
+    pytest.param(
+        ["checkpointer.checkpoint_dir={other_base}"],
+        ["base_checkpoint.model.safetensors: "],
+        id="other_base_weights",
+    ),
+    pytest.param(
+        [
+            "checkpointer.checkpoint_dir={qwen_base}",
+            "model._component_=torchtune_ext.models.qlora_tiny_qwen",
+            "checkpointer.model_type=QWEN2",
+        ],
+        [
+            "model._component_: torchtune_ext.models.qlora_tiny_llama -> torchtune_ext.models.qlora_tiny_qwen",
+            "checkpointer.model_type: LLAMA3_2 -> QWEN2",
+        ],
+        id="other_model_family",
+    ),
+    pytest.param(["dataset.num_samples=80"], ["dataset_size: 64 -> 80"], id="dataset"),
+    pytest.param(["batch_size=8"], ["global_batch_size: 16 -> 8"], id="batch_size"),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", CHANGES)
+def test_a_changed_run_is_refused_before_any_weight_loads(runs, tmp_path, overrides, expected):
+    out, args = _resume(runs, tmp_path, *[o.format(**{k: str(v) for k, v in runs.items()}) for o in overrides])
+    before = snapshot(out)
+    rc, output = _start(args, tmp_path / "resume.log")
+    assert rc != 0
+    assert "it differs in what defines the run" in output, output[-4000:]
+    for line in expected:
+        assert line in output, output[-4000:]
+    assert "into NF4" not in output  # no weight was loaded
+    assert snapshot(out) == before  # nothing written
+
+
+def test_a_changed_lr_is_allowed_listed_and_used(runs, tmp_path):
+    out, args = _resume(runs, tmp_path, f"optimizer.lr={NEW_LR}")
+    rc, output = _start(args, tmp_path / "resume.log")
+    assert rc == 0, output[-4000:]
+    assert "Resuming with changed settings (allowed):" in output
+    assert f"\n  optimizer.lr: {LR} -> {NEW_LR}\n" in output
+    # The schedule continues at its step with the new peak lr (reference: torchtune's schedule on its own).
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=NEW_LR)
+    schedule = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=STEPS)
+    expected = {}
+    for step in range(1, STEPS + 1):
+        optimizer.step()
+        schedule.step()
+        expected[step] = optimizer.param_groups[0]["lr"]
+    lrs = logged(out / "logs", "lr")
+    for step in (3, 4):
+        assert math.isclose(lrs[step], expected[step], rel_tol=1e-9), (lrs, expected)
+    # The loss of step 3 is computed before its update: still the uninterrupted run's.
+    assert abs(logged(out / "logs")[3] - logged(runs["straight"] / "logs")[3]) < TOLERANCE
+
+
+def test_a_recipe_state_carrying_code_is_refused_and_the_code_never_runs(runs, tmp_path):
+    out, args = _resume(runs, tmp_path)
+    marker = tmp_path / "the_payload_ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    state = torch.load(out / "recipe_state" / "recipe_state.pt", weights_only=True)
+    torch.save({**state, "payload": Payload()}, out / "recipe_state" / "recipe_state.pt")
+    rc, output = _start(args, tmp_path / "resume.log")
+    assert rc != 0
+    assert "holds Python objects, not only tensors and plain data (it references posix.system)" in output
+    assert "nothing in it ran" in output
+    assert not marker.exists()
+
+
+def test_a_truncated_newest_state_falls_back_to_the_previous_one(runs, tmp_path):
+    out, args = _resume(runs, tmp_path)
+    newest = out / "recipe_state" / "recipe_state.pt"
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+    rc, output = _start(args, tmp_path / "resume.log")
+    assert rc == 0, output[-4000:]
+    assert "is not a readable recipe state" in output
+    assert f"Resuming from the previous recipe state instead: {out / 'recipe_state' / 'recipe_state.prev.pt'}" in output
+    assert "Resumed at step 1, epoch 1, sample 16 of 64, on 1 rank; saved on 1." in output
+    resumed, straight = logged(out / "logs"), logged(runs["straight"] / "logs")
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert max(abs(resumed[s] - straight[s]) for s in straight) < TOLERANCE, (resumed, straight)
+
+
+def test_resuming_a_finished_run_says_so(runs, tmp_path):
+    out, args = _resume(runs, tmp_path, source="straight")
+    rc, output = _start(args, tmp_path / "resume.log")
+    assert rc == 0, output[-4000:]
+    assert f"This run had already finished: step {STEPS}, epoch 1 of 1; nothing is left to train." in output
+    assert str(out / f"step_{STEPS}" / "adapter") in output and str(out / f"step_{STEPS}" / "merged") in output

@@ -1,0 +1,211 @@
+"""Unit tests of ``torchtune_ext.checkpoint.RecipeState``: stored as data (weights_only), the last two kept with a
+fallback, the run's identity and its differences, the global data position, RNG states as plain data."""
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from torchtune_ext.checkpoint import (
+    DataPosition,
+    RecipeState,
+    RunIdentity,
+    UnsafeRecipeStateError,
+    plain_rng_state,
+    previous_path,
+)
+from torchtune_ext.checkpoint._recipe_state import native_rng_state
+from torchtune_ext.data import write_tiny_checkpoint
+from torchtune_ext.training import rng_state, set_rng_state
+
+CFG = OmegaConf.create(
+    {
+        "output_dir": "/out",
+        "model": {"_component_": "m.builder", "lora_rank": 16, "lora_alpha": 32, "lora_attn_modules": ["q_proj"]},
+        "tokenizer": {"_component_": "t.tok", "path": "/a/tokenizer.model", "max_seq_len": 64},
+        "dataset": {"_component_": "d.data", "source": "json"},
+        "checkpointer": {"model_type": "LLAMA3_2", "checkpoint_dir": "/base", "output_dir": "${output_dir}"},
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 3e-3},
+        "seed": 0,
+        "shuffle": True,
+        "epochs": 1,
+        "dtype": "fp32",
+        "resume_from_checkpoint": False,
+    }
+)
+
+
+def _identity(cfg, base_file: Path, **overrides) -> RunIdentity:
+    kwargs = dict(
+        checkpoint_paths=[base_file],
+        dataset_size=64,
+        global_batch_size=8,
+        dtypes={"dtype": torch.float32, "adapter_dtype": torch.float32, "frozen_dtype": torch.float32},
+    )
+    return RunIdentity.from_config(cfg, **{**kwargs, **overrides})
+
+
+def _state(run: RunIdentity, step: int = 3) -> RecipeState:
+    torch.manual_seed(step)
+    return RecipeState(
+        global_step=step,
+        epochs_run=0,
+        steps_in_epoch_done=step,
+        total_epochs=1,
+        max_steps_per_epoch=None,
+        identity=run.identity,
+        settings=run.settings,
+        position=DataPosition(epoch=0, samples_consumed=8 * step, dataset_size=64, seed=0, shuffle=True, world_size=2),
+        adapter={"layers.0.attn.q_proj.lora_a.weight": torch.randn(4, 8)},
+        optimizer={"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99)}]},
+        lr_scheduler={"base_lrs": [3e-3], "last_epoch": step, "lr_lambdas": [None]},
+        loss_scaler={"scaler": {}, "skipped_steps": 0},
+        rng_per_rank=[plain_rng_state(rng_state(torch.device("cpu")))],
+    )
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("base"), family="llama", dtype="fp32", seed=0)
+
+
+def test_saved_as_data_and_loaded_with_weights_only(base, tmp_path):
+    run = _identity(CFG, base / "model.safetensors")
+    state = _state(run)
+    path = state.save(tmp_path / "recipe_state.pt")
+    torch.load(path, weights_only=True)  # nothing but tensors and plain types
+    loaded = RecipeState.load(path)
+    assert loaded.global_step == 3 and loaded.identity == run.identity and loaded.position == state.position
+    assert torch.equal(loaded.adapter["layers.0.attn.q_proj.lora_a.weight"], state.adapter[next(iter(state.adapter))])
+    assert loaded.source == path
+
+
+def test_a_pickled_callable_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "recipe_state.pt"
+    torch.save({"format": 2, "global_step": 1, "payload": Payload()}, path)
+    with pytest.raises(UnsafeRecipeStateError, match=r"holds Python objects.*system.*nothing in it ran"):
+        RecipeState.load(path)
+    assert not marker.exists()
+    # The same file from an unsafe load would have run it (the test's payload is real).
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+def test_the_previous_state_is_kept_and_a_truncated_newest_falls_back_to_it(base, tmp_path, caplog):
+    run = _identity(CFG, base / "model.safetensors")
+    path = tmp_path / "recipe_state.pt"
+    _state(run, step=2).save(path)
+    assert not previous_path(path).exists()
+    _state(run, step=4).save(path)
+    assert previous_path(path) == tmp_path / "recipe_state.prev.pt"
+    assert RecipeState.load(path).global_step == 4
+    assert RecipeState.load(previous_path(path)).global_step == 2
+    _state(run, step=6).save(path)
+    assert RecipeState.load(previous_path(path)).global_step == 4  # only two kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe_state.prev.pt", "recipe_state.pt"]
+
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    state = RecipeState.load(path)
+    assert state.global_step == 4 and state.source == previous_path(path)
+    previous_path(path).write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="is not a readable recipe state.*not readable either"):
+        RecipeState.load(path)
+
+
+def test_identity_lists_every_difference_and_allows_settings(base, tmp_path):
+    saved = _identity(CFG, base / "model.safetensors")
+    changed_cfg = OmegaConf.merge(
+        CFG,
+        {
+            "model": {"lora_alpha": 4},
+            "optimizer": {"lr": 1e-3},
+            "epochs": 2,
+            "tokenizer": {"path": "/b/tokenizer.model"},
+        },
+    )
+    other_base = write_tiny_checkpoint(tmp_path / "other", family="llama", dtype="fp32", seed=1)
+    current = _identity(changed_cfg, other_base / "model.safetensors", global_batch_size=16)
+    state = _state(saved)
+    state.source = Path("recipe_state.pt")
+    with pytest.raises(ValueError) as raised:
+        state.check_resume(current, kept_ids=None, total_epochs=2, world_size=1)
+    text = str(raised.value)
+    assert "model.lora_alpha: 32 -> 4" in text and "global_batch_size: 8 -> 16" in text
+    # Other weights of the same shapes: the same header, other data.
+    assert "base_checkpoint.model.safetensors" in text and "header" in text
+    saved_base, other = (
+        saved.identity["base_checkpoint.model.safetensors"],
+        current.identity["base_checkpoint.model.safetensors"],
+    )
+    assert saved_base.split(", data")[0] == other.split(", data")[0] and saved_base != other
+    for allowed in ("optimizer.lr", "epochs", "tokenizer.path"):
+        assert allowed not in text
+
+    same = _identity(OmegaConf.merge(CFG, {"optimizer": {"lr": 1e-3}, "epochs": 2}), base / "model.safetensors")
+    lines = state.check_resume(same, kept_ids=None, total_epochs=2, world_size=1)
+    assert lines == [
+        "Resuming with changed settings (allowed):\n  epochs: 1 -> 2\n  optimizer.lr: 0.003 -> 0.001",
+        "Resumed at step 3, epoch 1, sample 24 of 64, on 1 rank; saved on 2.",
+    ]
+    with pytest.raises(ValueError, match="vocab_pruning kept token ids"):
+        state.check_resume(same, kept_ids=[1, 2], total_epochs=2, world_size=1)
+
+
+def test_a_finished_run_says_so(base):
+    run = _identity(CFG, base / "model.safetensors")
+    state = _state(run)
+    state.epochs_run, state.checkpoint, state.source = 1, "step_8", Path("/out/recipe_state/recipe_state.pt")
+    (line,) = state.check_resume(run, kept_ids=None, total_epochs=1, world_size=1)
+    assert line.startswith("This run had already finished: step 3, epoch 1 of 1") and "/out/step_8/adapter" in line
+
+
+@pytest.mark.parametrize("saved_world, world", [(2, 1), (1, 2), (2, 4), (4, 2)])
+def test_the_global_position_gives_every_world_size_the_same_next_samples(saved_world, world):
+    """The samples rank r of W draws after resuming are those an uninterrupted run on the saved world size draws
+    next (as a set per global batch, in the same global order)."""
+    dataset, global_batch, consumed = list(range(64)), 8, 24
+
+    def batches(world_size: int, position: int):
+        streams = []
+        for rank in range(world_size):
+            sampler = StatefulDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=5)
+            sampler.load_state_dict({"yielded": position // world_size})
+            streams.append(list(sampler))
+        per_rank = global_batch // world_size
+        count = len(streams[0]) // per_rank
+        return [sorted(i for s in streams for i in s[b * per_rank : (b + 1) * per_rank]) for b in range(count)]
+
+    uninterrupted = batches(saved_world, 0)
+    state = DataPosition(epoch=0, samples_consumed=consumed, dataset_size=64, seed=5, shuffle=True, world_size=2)
+    resumed = batches(world, state.per_rank_start(world) * world)
+    assert resumed == uninterrupted[consumed // global_batch :]
+    with pytest.raises(ValueError, match="global_batch_size"):
+        DataPosition(0, 12, 64, 5, True, 1).per_rank_start(8)
+
+
+def test_rng_states_round_trip_through_plain_data():
+    torch.manual_seed(3)
+    random.seed(4)
+    np.random.seed(5)
+    np.random.standard_normal()  # a cached gaussian in numpy's state
+    plain = plain_rng_state(rng_state(torch.device("cpu")))
+    expected = (torch.rand(3), random.random(), np.random.standard_normal(2))
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    set_rng_state(native_rng_state(plain), torch.device("cpu"))
+    assert torch.equal(torch.rand(3), expected[0])
+    assert random.random() == expected[1]
+    assert np.array_equal(np.random.standard_normal(2), expected[2])
