@@ -22,6 +22,8 @@ from torchtune.models import convert_weights
 from torchtune.models.qwen2._convert_weights import _FROM_HF as _QWEN2_FROM_HF
 from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune_to_hf
 
+from torchtune_ext.checkpoint._writes import writing
+
 #: model_type -> True when the family stores q/k rows permuted relative to HF (torchtune's interleaved RoPE).
 SUPPORTED_MODEL_TYPES: Dict[str, bool] = {
     "LLAMA2": True,
@@ -242,7 +244,8 @@ def write_json(path: Path, data: Dict[str, Any]) -> None:
         path (Path): the file.
         data (Dict[str, Any]): JSON-serialisable data.
     """
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    with writing(path):
+        path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def llama3_2_hf_config(
