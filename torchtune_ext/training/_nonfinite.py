@@ -47,7 +47,7 @@ class NonFiniteGuard:
         self.fp16 = loss_scaler.enabled
         self.steps = 0  # optimizer steps of this run
         self.skipped = 0  # of which skipped (fp16)
-        self._skipped_total = loss_scaler.skipped_steps
+        self._skipped_before = self._skipped_total = loss_scaler.skipped_steps
         self._consecutive = 0
         self._since_save = 0
 
@@ -125,7 +125,7 @@ class NonFiniteGuard:
 
     def progress(self) -> str:
         """The progress bar's addition: fp16's skipped steps so far (empty otherwise)."""
-        return f"|skipped: {self.skipped}" if self.fp16 else ""
+        return f"|skipped: {self._scaler.skipped_steps - self._skipped_before}" if self.fp16 else ""
 
     def summary(self) -> List[str]:
         """The summary's lines: fp16's skipped steps and loss scale (none otherwise)."""
