@@ -141,8 +141,8 @@ def torch_save(obj: Any, file: BinaryIO, path: PathLike) -> None:
         torch.save(obj, recording)
     except (OSError, RuntimeError) as err:
         cause = recording.error if recording.error is not None else err
-        if isinstance(cause, OSError):
-            raise WriteError(path, cause) from err
+        if isinstance(cause, OSError):  # chained to the OS error alone: torch's zip-writer message says nothing
+            raise WriteError(path, cause) from cause
         raise
 
 

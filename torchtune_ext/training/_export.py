@@ -36,11 +36,11 @@ def run_folders(cfg: DictConfig) -> Dict[str, Path]:
     ):
         if value is not None and Path(str(value)).absolute() not in {p.absolute() for p in folders.values()}:
             folders[key] = Path(str(value))
-    for root in list(folders.values()):
+    for key, root in list(folders.items()):
         if root.is_dir():
             for sub in [root / RECIPE_STATE_DIRNAME, *sorted(root.glob("step_*"))]:
                 if sub.is_dir():
-                    folders[f"{root.name}/{sub.name}"] = sub
+                    folders[f"{key}/{sub.name}"] = sub
     log_dir = cfg.get("metric_logger", {}).get("log_dir")
     if log_dir is not None:
         folders["metric_logger.log_dir"] = Path(str(log_dir))
