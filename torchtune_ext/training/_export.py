@@ -111,7 +111,7 @@ def export_merged(
         raise err.with_note(
             f"{kept} Free some space (or lift the limit) and run `{command}` to merge them; or resume with "
             "resume_from_checkpoint=True save_adapter_weights_only=True."
-        ) from err
+        ) from err.__cause__
     except NonFiniteError as err:
         raise NonFiniteError(f"{err} {kept}") from err
     return None
