@@ -812,6 +812,7 @@ class QLoRARecipe(FTRecipeInterface):
         del state
         if dist.is_initialized():
             dist.barrier()
+        self._last_checkpoint = self._checkpointer.output_dir / f"step_{self.global_step}"  # [issue 24] every rank
 
     def _lr(self) -> float:
         return self._optimizer.param_groups[0]["lr"]
