@@ -23,6 +23,8 @@ from torchtune_ext.checkpoint._hf import (
 )
 from torchtune_ext.checkpoint._load import LOAD_CHUNK_BYTES, load_base_
 from torchtune_ext.checkpoint._random import write_random_hf_checkpoint
+from torchtune_ext.checkpoint._validate import check_checkpoint_matches
+from torchtune_ext.checkpoint._writes import WriteError, check_writable_folders
 
 __all__ = [
     "ADAPTER_DIRNAME",
@@ -33,10 +35,13 @@ __all__ = [
     "RECIPE_STATE_DIRNAME",
     "SAFETENSORS_INDEX",
     "SUPPORTED_MODEL_TYPES",
+    "WriteError",
     "HFConverter",
     "atomic_directory",
     "atomic_save",
+    "check_checkpoint_matches",
     "check_writable",
+    "check_writable_folders",
     "hf_dtype_fields",
     "llama3_2_hf_config",
     "load_base_",

@@ -3,6 +3,7 @@ loss scaling, memory and throughput metrics, and the config settings the recipes
 
 from torchtune_ext._dtype import DTYPES, is_bf16_supported, parse_dtype
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
+from torchtune_ext.training._export import check_run_folders, export_merged, merge_command
 from torchtune_ext.training._metrics import (
     Throughput,
     format_memory_stats,
@@ -11,6 +12,7 @@ from torchtune_ext.training._metrics import (
     peak_rss_bytes,
     rss_bytes,
 )
+from torchtune_ext.training._nonfinite import NonFiniteError, NonFiniteGuard, check_base_finite
 from torchtune_ext.training._precision import (
     DistributedLossScaler,
     LossScaler,
@@ -39,6 +41,8 @@ __all__ = [
     "DistributedLossScaler",
     "LoRASettings",
     "LossScaler",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "QLoRARecipe",
     "Throughput",
     "VOCAB_PRUNING_KEYS",
@@ -47,13 +51,17 @@ __all__ = [
     "build_qlora_model",
     "build_tokenizer",
     "check_activation_offloading",
+    "check_base_finite",
     "check_param_dtypes",
+    "check_run_folders",
     "default_adapter_dtype",
+    "export_merged",
     "format_memory_stats",
     "frozen_weights_dtype",
     "gather_memory_stats",
     "is_bf16_supported",
     "memory_stats",
+    "merge_command",
     "parse_dtype",
     "parse_vocab_pruning",
     "peak_rss_bytes",

@@ -761,8 +761,9 @@ class QLoRARecipe(FTRecipeInterface):
         return states
 
     def save_checkpoint(self, end_of_epoch: bool = True, full: bool = True) -> None:
-        """Saves the adapter (PEFT), optionally the merged model, then the recipe state (which commits the checkpoint:
-        a resume never starts from a step without its folder). Collective. Only the adapters are gathered unless the
+        """Saves the adapter (PEFT), then the recipe state (which commits the checkpoint: a resume never starts from a
+        step without its folder), then optionally the merged model (if the disk has room; a failed export keeps the
+        others). Non-finite adapters are never saved. Collective. Only the adapters are gathered unless the
         merged model is written; NF4 weights are gathered packed.
 
         Args:
