@@ -5,7 +5,8 @@ Each test runs one output folder through a chain of kills, each followed by ``re
 
 - single device (8 steps, a checkpoint every 2): killed (1) in the forward of step 3, (2) half-way through writing
   the recipe state of step 4, (3) half-way through writing step 6's adapter file, (4) after writing the final step
-  8's folder (adapter and merged model) but before renaming it into place; then resumed to the end.
+  8's folder (its adapter; the merged model is written after the recipe state) but before renaming it into place;
+  then resumed to the end.
 - 2 gloo ranks (6 steps, a checkpoint every 2): rank 1 killed in the forward of step 3, then rank 0 killed half-way
   through writing step 4's adapter file; then resumed to the end.
 
@@ -83,7 +84,9 @@ SINGLE_KILLS = [
     Kill("recipe state write of step 4", write_pause="recipe_state@4", partial="recipe_state/.recipe_state.pt.tmp-*"),
     Kill("adapter write of step 6", write_pause="adapter@6", partial=".step_6.tmp-*"),
     Kill(
-        "rename of the final step 8's folder (adapter + merged model)", write_pause="commit@8", partial=".step_8.tmp-*"
+        "rename of the final step 8's folder (its adapter; the merged model comes after the recipe state)",
+        write_pause="commit@8",
+        partial=".step_8.tmp-*",
     ),
 ]
 DIST_KILLS = [

@@ -32,6 +32,8 @@ from torchtune_ext.checkpoint._recipe_state import (
     plain_rng_state,
     previous_path,
 )
+from torchtune_ext.checkpoint._validate import check_checkpoint_matches
+from torchtune_ext.checkpoint._writes import WriteError, check_writable_folders
 
 __all__ = [
     "ADAPTER_DIRNAME",
@@ -46,11 +48,14 @@ __all__ = [
     "SAFETENSORS_INDEX",
     "SUPPORTED_MODEL_TYPES",
     "UnsafeRecipeStateError",
+    "WriteError",
     "HFConverter",
     "atomic_directory",
     "atomic_save",
+    "check_checkpoint_matches",
     "check_writable",
     "decoder_hf_config",
+    "check_writable_folders",
     "hf_dtype_fields",
     "llama3_2_hf_config",
     "load_base_",

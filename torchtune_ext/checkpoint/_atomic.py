@@ -16,8 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator, List, Union
 
-import torch
-
+from torchtune_ext.checkpoint._writes import WriteError, torch_save, writing
 from torchtune_ext.config import ConfigError
 
 PathLike = Union[str, Path]
@@ -28,7 +27,7 @@ def atomic_directory(final: PathLike) -> Iterator[Path]:
     """Yields a temporary sibling of ``final`` to write into; on success it is renamed to ``final``.
 
     An existing ``final`` is replaced (moved aside, then deleted after the rename). On an exception the temporary
-    folder is deleted and ``final`` is left as it was.
+    folder is deleted and ``final`` is left as it was; a :class:`WriteError` names the file under ``final``.
 
     Args:
         final (PathLike): the folder to produce.
@@ -37,23 +36,37 @@ def atomic_directory(final: PathLike) -> Iterator[Path]:
         Path: the temporary folder.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    with writing(final):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
     try:
         yield tmp
+        with writing(final):
+            _fsync_tree(tmp)
+    except WriteError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _final_name(err, tmp, final) from err.__cause__
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_tree(tmp)
     old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync(final.parent)
+    with writing(final):
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _final_name(err: WriteError, tmp: Path, final: Path) -> WriteError:
+    """``err`` naming the file's final path instead of its temporary one."""
+    try:
+        return err.with_path(final / err.path.relative_to(tmp))
+    except ValueError:
+        return err
 
 
 def atomic_save(obj: Any, path: PathLike) -> None:
@@ -62,17 +75,21 @@ def atomic_save(obj: Any, path: PathLike) -> None:
     Args:
         obj (Any): what to save.
         path (PathLike): destination file.
+
+    Raises:
+        WriteError: naming ``path``, the cause and the folder, if it cannot be written (``path`` is left as it was).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync(path.parent)
+        with writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                torch_save(obj, f, path)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -48,6 +48,8 @@ from torchtune_ext.checkpoint._hf import (
     write_json,
 )
 from torchtune_ext.checkpoint._recipe_state import RecipeState  # [issue 24]
+from torchtune_ext.checkpoint._validate import check_checkpoint_matches, check_finite_merged
+from torchtune_ext.checkpoint._writes import writing
 from torchtune_ext.config import ConfigFileNotFoundError  # [issue 17] one line, no traceback
 from torchtune_ext.modules.vocab_pruning import is_vocab_key
 from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4
@@ -204,17 +206,21 @@ class QLoRAHFCheckpointer:
 
     # ------------------------------------------------------------------------------------------------ reading
 
-    def validate(self, model: nn.Module) -> None:
-        """Checks the checkpoint files against a (meta) model from their headers and sizes only: complete files,
-        and the model's keys and shapes; remembers the model's layout for reading and saving.
+    def validate(self, model: nn.Module, builder: Optional[str] = None) -> None:
+        """Checks the checkpoint files against a (meta) model from their headers and sizes only: no git-lfs pointer,
+        complete files, ``config.json`` (model type, heads, tied output) against the model, and the model's keys and
+        shapes; remembers the model's layout for reading and saving.
 
         Args:
             model (nn.Module): the QLoRA model, unpruned (vocab pruning comes after).
+            builder (Optional[str]): the model's builder (``model._component_``), named in errors.
 
         Raises:
-            ValueError: on a truncated file, or listing every unexpected, missing or mis-shaped weight.
+            ValueError: on a git-lfs pointer, a truncated file, a config.json that disagrees with the model, or listing
+                every unexpected, missing or mis-shaped weight.
         """
         converter = HFConverter.for_model(self.model_type, model)
+        check_checkpoint_matches(self, model, builder)  # [issue 24]
         expected = base_keys(model)
         locations, unexpected, mis_shaped = {}, [], []
         for path in self.checkpoint_paths:
@@ -365,7 +371,8 @@ class QLoRAHFCheckpointer:
         def tensors(shard):
             for spec in shard:
                 key = keys[spec.name]
-                yield converter.to_hf(key, self._merged_tensor(state, key, dtype, adapter_config, base))
+                merged = self._merged_tensor(state, key, dtype, adapter_config, base)
+                yield converter.to_hf(key, check_finite_merged(key, merged))  # [issue 24]
 
         write_hf_model_files(folder, shards, tensors, self.hf_config, dtype)  # [issue 16] one HF folder writer
         for src in sorted(self.checkpoint_dir.iterdir()):
@@ -375,7 +382,8 @@ class QLoRAHFCheckpointer:
                 or src.name in (SAFETENSORS_INDEX, "config.json", "pytorch_model.bin.index.json")
             )
             if src.is_file() and not skip:
-                shutil.copy2(src, folder / src.name)
+                with writing(folder / src.name):  # [issue 24] a failed copy names the file and the cause
+                    shutil.copy2(src, folder / src.name)
 
     def _write_adapter(self, state: Dict[str, torch.Tensor], folder: Path, adapter_config: Dict[str, Any]) -> None:
         adapters = {k: v for k, v in state.items() if is_adapter_key(k)}
@@ -395,7 +403,8 @@ class QLoRAHFCheckpointer:
         dtype: torch.dtype,
         merge_base: str = "nf4",
     ) -> Path:
-        """Writes ``output_dir/step_{step}/`` atomically: the PEFT adapter and (optionally) the merged model.
+        """Writes ``output_dir/step_{step}/`` atomically with the PEFT adapter, then (optionally) the merged model
+        into it (:meth:`save_merged`): a failed merged export keeps the adapter.
 
         Args:
             state_dict (Dict[str, torch.Tensor]): the trained model's full state dict with the unpruned model's keys
@@ -416,6 +425,7 @@ class QLoRAHFCheckpointer:
 
         Raises:
             ValueError: on an unknown ``merge_base``.
+            WriteError: naming the file that could not be written and the cause.
         """
         if merge_base not in MERGE_BASES:
             raise ValueError(f"merge_base={merge_base!r} is not supported; use one of {list(MERGE_BASES)}.")
@@ -423,10 +433,39 @@ class QLoRAHFCheckpointer:
         with atomic_directory(final) as tmp:
             (tmp / ADAPTER_DIRNAME).mkdir()
             self._write_adapter(state_dict, tmp / ADAPTER_DIRNAME, adapter_config)
-            if save_merged:
-                (tmp / MERGED_DIRNAME).mkdir()
-                self._write_merged(state_dict, tmp / MERGED_DIRNAME, dtype, adapter_config, merge_base)
+        if save_merged:  # [issue 24] small files first
+            self.save_merged(state_dict, step, adapter_config, dtype, merge_base)
         return final
+
+    def save_merged(
+        self,
+        state_dict: Dict[str, torch.Tensor],
+        step: int,
+        adapter_config: Dict[str, Any],
+        dtype: torch.dtype,
+        merge_base: str = "nf4",
+    ) -> Path:
+        """Writes the merged model into ``output_dir/step_{step}/merged/`` atomically (arguments as :meth:`save`).
+
+        Returns:
+            Path: the merged model's folder.
+        """
+        final = self.output_dir / f"step_{step}" / MERGED_DIRNAME
+        with atomic_directory(final) as tmp:
+            self._write_merged(state_dict, tmp, dtype, adapter_config, merge_base)
+        return final
+
+    def merged_nbytes(self, state_dict: Dict[str, torch.Tensor], dtype: torch.dtype) -> int:
+        """
+        Args:
+            state_dict (Dict[str, torch.Tensor]): as for :meth:`save`.
+            dtype (torch.dtype): the merged model's dtype.
+
+        Returns:
+            int: the bytes of the merged model's tensors (its files' size, but for headers and small files).
+        """
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return sum(t.numel() * itemsize for k, t in state_dict.items() if not is_adapter_key(k))
 
     def remove_stale_temporaries(self) -> List[Path]:
         """Deletes what writes killed in an earlier run left in ``output_dir`` and its recipe-state folder (see
@@ -436,6 +475,7 @@ class QLoRAHFCheckpointer:
             List[Path]: what was deleted.
         """
         folders = {self.output_dir, self.output_dir / RECIPE_STATE_DIRNAME, self.recipe_checkpoint.parent}
+        folders |= {p for p in self.output_dir.glob("step_*") if p.is_dir()}  # [issue 24] killed merged exports
         return [path for folder in sorted(folders) for path in remove_stale_temporaries(folder)]
 
     def save_recipe_state(self, state: RecipeState) -> Path:

@@ -24,6 +24,7 @@ from torchtune.models.qwen2._convert_weights import _FROM_HF as _QWEN2_FROM_HF
 from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune_to_hf
 
 from torchtune_ext.checkpoint import _safetensors
+from torchtune_ext.checkpoint._writes import writing
 
 #: the index of a sharded safetensors checkpoint.
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -248,7 +249,8 @@ def write_json(path: Path, data: Dict[str, Any]) -> None:
         path (Path): the file.
         data (Dict[str, Any]): JSON-serialisable data.
     """
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    with writing(path):
+        path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def write_hf_model_files(

@@ -18,6 +18,8 @@ from typing import Dict, Iterable, Iterator, List, Sequence, Tuple, Union
 
 import torch
 
+from torchtune_ext.checkpoint._writes import writing
+
 PathLike = Union[str, Path]
 
 _DTYPES: Dict[str, torch.dtype] = {
@@ -76,6 +78,8 @@ def _read_header(f, path: PathLike) -> Tuple[Dict[str, Dict], int]:
     if len(raw) != 8:
         raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes).")
     (length,) = struct.unpack("<Q", raw)
+    if length > os.fstat(f.fileno()).st_size - 8:
+        raise ValueError(f"{path} is not a safetensors file (its header length exceeds the file's size).")
     try:
         header = json.loads(f.read(length))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -192,8 +196,9 @@ def write_tensors(
 
     Raises:
         ValueError: if a tensor does not match its spec, or there are fewer or more tensors than specs.
+        WriteError: if the file cannot be written (naming it and the cause).
     """
-    with open(path, "wb") as f:
+    with writing(path), open(path, "wb") as f:
         f.write(_header_bytes(specs, metadata or {"format": "pt"}))
         count = 0
         for (name, tensor), spec in zip(tensors, specs):

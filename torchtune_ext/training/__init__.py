@@ -6,6 +6,7 @@ from torchtune_ext._dtype import DTYPES, is_bf16_supported, parse_dtype
 # torchtune.training re-exports its distributed state-dict helpers; ours live in torchtune_ext.distributed.
 from torchtune_ext.distributed import get_full_state_dict
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
+from torchtune_ext.training._export import check_run_folders, export_merged, merge_command
 from torchtune_ext.training._metrics import (
     Throughput,
     format_memory_stats,
@@ -14,6 +15,7 @@ from torchtune_ext.training._metrics import (
     peak_rss_bytes,
     rss_bytes,
 )
+from torchtune_ext.training._nonfinite import NonFiniteError, NonFiniteGuard, check_base_finite
 from torchtune_ext.training._precision import (
     DistributedLossScaler,
     LossScaler,
@@ -42,6 +44,8 @@ __all__ = [
     "DistributedLossScaler",
     "LoRASettings",
     "LossScaler",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "QLoRARecipe",
     "Throughput",
     "VOCAB_PRUNING_KEYS",
@@ -50,14 +54,18 @@ __all__ = [
     "build_qlora_model",
     "build_tokenizer",
     "check_activation_offloading",
+    "check_base_finite",
     "check_param_dtypes",
+    "check_run_folders",
     "default_adapter_dtype",
+    "export_merged",
     "format_memory_stats",
     "frozen_weights_dtype",
     "gather_memory_stats",
     "get_full_state_dict",
     "is_bf16_supported",
     "memory_stats",
+    "merge_command",
     "parse_dtype",
     "parse_vocab_pruning",
     "peak_rss_bytes",

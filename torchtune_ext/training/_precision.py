@@ -51,12 +51,28 @@ class LossScaler:
         device (torch.device): the training device.
         init_scale (float): initial scale. Default: 2**10.
         growth_interval (int): steps without overflow before the scale doubles. Default: 2000.
+        min_scale (float): the floor: a run whose scale falls below it after skipped steps stops
+            (:class:`~torchtune_ext.training.NonFiniteGuard`). Default: 2**-10, 20 halvings below the default
+            initial scale; by then even unscaled fp16 gradients overflowed again and again.
+
+    Raises:
+        ValueError: if ``min_scale`` is not positive.
     """
 
     _grad_scaler_class = torch.amp.GradScaler
 
-    def __init__(self, enabled: bool, device: torch.device, init_scale: float = 2.0**10, growth_interval: int = 2000):
+    def __init__(
+        self,
+        enabled: bool,
+        device: torch.device,
+        init_scale: float = 2.0**10,
+        growth_interval: int = 2000,
+        min_scale: float = 2.0**-10,
+    ):
+        if not min_scale > 0:
+            raise ValueError(f"loss_scaler.min_scale={min_scale} must be positive.")
         self.enabled = enabled
+        self.min_scale = float(min_scale)
         self.skipped_steps = 0
         self._scaler = self._grad_scaler_class(
             device.type, init_scale=init_scale, growth_interval=growth_interval, enabled=enabled

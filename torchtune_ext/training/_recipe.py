@@ -83,7 +83,9 @@ from torchtune_ext.modules.loss import LinearCrossEntropyLoss
 from torchtune_ext.modules.transformer import tile_mlp_
 from torchtune_ext.modules.vocab_pruning import VocabPruning, export_full_vocab_state_dict, prune_vocab_
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
+from torchtune_ext.training._export import check_run_folders, export_merged
 from torchtune_ext.training._metrics import Throughput, format_memory_stats, gather_memory_stats, memory_stats
+from torchtune_ext.training._nonfinite import NonFiniteGuard, check_base_finite
 from torchtune_ext.training._precision import (
     DistributedLossScaler,
     LossScaler,
@@ -245,6 +247,7 @@ class QLoRARecipe(FTRecipeInterface):
     def setup(self, cfg: DictConfig) -> None:
         """Builds everything in the order of the module docstring; nothing is written under ``output_dir`` before
         the config, the data and the resumed state have been checked. Collective on several ranks."""
+        check_run_folders(cfg)  # [issue 24] every folder the run writes is writable, before anything is written
         self._set_seed(cfg)
         self._generate_base_checkpoint(cfg)
         dataset, val_dataset = self._build_components(cfg)
@@ -260,6 +263,7 @@ class QLoRARecipe(FTRecipeInterface):
         self._loss_scaler = loss_scaler(
             enabled=self._dtype == torch.float16, device=self._device, **cfg.get("loss_scaler", {})
         )
+        self._guard = NonFiniteGuard(self._loss_scaler)  # [issue 24]
 
         # From here on, outputs are written.
         self._start_writing(cfg)
@@ -298,7 +302,7 @@ class QLoRARecipe(FTRecipeInterface):
             cfg.get("frozen_dtype", None), self._dtype, self._checkpointer.hf_config
         )
         self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
-        self._checkpointer.validate(self._model)
+        self._checkpointer.validate(self._model, builder=cfg.model.get("_component_"))  # [issue 24] names the builder
         self._tokenizer = build_tokenizer(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
         dataset = build_dataset(cfg.dataset, self._tokenizer)
@@ -405,6 +409,7 @@ class QLoRARecipe(FTRecipeInterface):
         self._prepare_model(model)
         self._parallelize()
         load_base_(model, self._checkpointer, self._device, pruning=self._pruning, sharded_device=self._sharded_device)
+        check_base_finite(model, self._checkpointer.checkpoint_dir, self._checkpointer.converter.to_hf)  # [issue 24]
         init_adapters_(model, self._device, state.adapter if state is not None else None)
         training.validate_no_params_on_meta_device(model)
 
@@ -714,10 +719,15 @@ class QLoRARecipe(FTRecipeInterface):
                 loss_value = float(all_reduce_sum(running_loss)) / max(global_tokens, 1.0)
                 self.loss_history.append(loss_value)
                 pbar.update(1)
-                pbar.set_description(f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_value:.4f}")
+                pbar.set_description(
+                    f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_value:.4f}" + self._guard.progress()  # [issue 24]
+                )
                 if self.global_step % self._log_every_n_steps == 0:
                     self._log_step(loss_value, step_metrics, throughput, float(num_tokens), global_tokens)
                     throughput.reset()
+                self._guard.check_step(
+                    self.global_step, loss_value, step_metrics, self._lr(), self._last_saved()
+                )  # [issue 24]
                 running_loss, num_tokens = 0.0, 0
                 if self._should_validate():
                     val_loss = self._validate()
@@ -794,8 +804,9 @@ class QLoRARecipe(FTRecipeInterface):
         return states
 
     def save_checkpoint(self, end_of_epoch: bool = True, full: bool = True) -> None:
-        """Saves the adapter (PEFT), optionally the merged model, then the recipe state (which commits the checkpoint:
-        a resume never starts from a step without its folder). Collective. Only the adapters are gathered unless the
+        """Saves the adapter (PEFT), then the recipe state (which commits the checkpoint: a resume never starts from a
+        step without its folder), then optionally the merged model (if the disk has room; a failed export keeps the
+        others). Non-finite adapters are never saved. Collective. Only the adapters are gathered unless the
         merged model is written; NF4 weights are gathered packed.
 
         Args:
@@ -803,6 +814,9 @@ class QLoRARecipe(FTRecipeInterface):
             full (bool): also write the merged model (unless ``save_adapter_weights_only``).
         """
         start = time.perf_counter()
+        # [issue 24] nothing non-finite is written: a run of skipped fp16 steps or a non-finite adapter stops here
+        last, adapters = self._last_saved(), self._named_adapters()
+        self._guard.check_before_save(self.global_step, self._lr(), last, adapters, self._dtype)
         save_merged = full and not self._save_adapter_weights_only
         # One rank: the live tensors, no copies; the saver moves one tensor at a time to the host.
         state = get_full_state_dict(
@@ -817,16 +831,36 @@ class QLoRARecipe(FTRecipeInterface):
                 self._exportable(state),
                 step=self.global_step,
                 adapter_config=self._lora.adapter_config(self._pruning),
-                save_merged=save_merged,
+                save_merged=False,  # [issue 24] the merged model comes last, after the recipe state (export_merged)
                 dtype=self._dtype,
                 merge_base=self._merge_base,
             )
             # [issue 24] one typed recipe state
             self._checkpointer.save_recipe_state(self._recipe_state(end_of_epoch, adapters, optimizer, rng))
+            if save_merged:  # [issue 24] skipped if the disk has no room for it; a failed write keeps the above
+                self._merged_note = export_merged(
+                    self._checkpointer,
+                    self._exportable(state),
+                    self.global_step,
+                    self._lora.adapter_config(self._pruning),
+                    self._dtype,
+                    self._merge_base,
+                )
             log.info(f"Checkpoint saved to {self._last_checkpoint} in {time.perf_counter() - start:.1f} s.")
         del state
         if dist.is_initialized():
             dist.barrier()
+        self._last_checkpoint = self._checkpointer.output_dir / f"step_{self.global_step}"  # [issue 24] every rank
+
+    def _lr(self) -> float:
+        return self._optimizer.param_groups[0]["lr"]
+
+    def _named_adapters(self) -> List[Tuple[str, nn.Parameter]]:
+        return list(zip(self._adapter_keys, self._adapter_params.values()))
+
+    def _last_saved(self) -> Optional[Path]:
+        """The last checkpoint this run wrote (None before its first save)."""
+        return getattr(self, "_last_checkpoint", None)
 
     def _exportable(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """A full state dict under the unpruned model's keys and shapes (the trained rows written into the base's
@@ -963,6 +997,7 @@ class QLoRARecipe(FTRecipeInterface):
                 f"{self.loss_history[-1]:.4f} (step {self.global_step})"
             )
         lines.append(f"  peak memory:         {_peak_memory_line(memory)}")
+        lines += self._guard.summary()  # [issue 24] fp16: skipped steps
         if self._train_seconds > 0:
             lines.append(
                 f"  tokens/s (mean):     {self._train_tokens / self._train_seconds:,.0f} label tokens/s over "
@@ -973,6 +1008,8 @@ class QLoRARecipe(FTRecipeInterface):
             lines.append(f"  adapter (PEFT):      {checkpoint / 'adapter'}")
             if (checkpoint / "merged").is_dir():
                 lines.append(f"  merged model (HF):   {checkpoint / 'merged'}")
+            elif getattr(self, "_merged_note", None):  # [issue 24]
+                lines.append(f"  merged model:        skipped: {self._merged_note}")
         if (self._checkpointer.output_dir / "recipe_state").is_dir():
             lines.append(f"  resumable state:     {self._checkpointer.output_dir / 'recipe_state'}")
         if log_dir is not None:

@@ -10,6 +10,7 @@ from torchtune import training
 from torchtune.models import convert_weights
 from torchtune.training import FullModelHFCheckpointer
 
+from torchtune_ext._finite import NonFiniteError
 from torchtune_ext.checkpoint import (
     HFConverter,
     QLoRAHFCheckpointer,
@@ -403,3 +404,38 @@ def test_atomic_save_replaces_the_file(tmp_path):
     atomic_save({"step": 2}, tmp_path / "state" / "s.pt")
     assert torch.load(tmp_path / "state" / "s.pt") == {"step": 2}
     assert [p.name for p in (tmp_path / "state").iterdir()] == ["s.pt"]
+
+
+# ------------------------------------------------------------------------------------- issue 24: safe exports
+
+
+def test_merged_model_is_written_after_and_apart_from_the_adapter(bases, tmp_path):
+    """The adapter folder is committed first; a merged model that would hold non-finite values (fp16 overflow of
+    base + B @ A) is refused, naming the tensor, and the adapter stays."""
+    model, checkpointer, adapter_config = _trained("llama", bases[("llama", "fp32")], tmp_path)
+    with torch.no_grad():
+        model.layers[0].attn.q_proj.lora_a.weight.fill_(1e3)
+        model.layers[0].attn.q_proj.lora_b.weight.fill_(1e3)  # 2 * 8 * 1e6 per entry: beyond fp16's 65504
+    state = get_full_state_dict(model, keep_nf4=True, cpu_offload=False)
+    with pytest.raises(NonFiniteError, match="The merged model's layers.0.attn.q_proj.weight holds NaN or infinite"):
+        checkpointer.save(state, step=3, adapter_config=adapter_config, save_merged=True, dtype=torch.float16)
+    step_dir = tmp_path / "out" / "step_3"
+    assert sorted(p.name for p in step_dir.iterdir()) == ["adapter"]  # no merged model, no temporary
+    peft = load_file(step_dir / "adapter" / "adapter_model.safetensors")
+    assert peft["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].eq(1e3).all()
+
+    # In fp32 the same merge is finite, and its announced size is the size of what is written.
+    merged_dir = checkpointer.save_merged(state, 3, adapter_config, torch.float32)
+    written = sum(t.numel() * t.element_size() for p in merged_dir.glob("*.safetensors") for t in load_file(p).values())
+    assert checkpointer.merged_nbytes(state, torch.float32) == written
+    assert checkpointer.merged_nbytes(state, torch.float16) == written // 2
+
+
+def test_stale_temporaries_of_a_killed_merged_export_are_removed(bases, tmp_path):
+    _, checkpointer = _loaded("llama", bases[("llama", "fp32")], tmp_path)
+    stale = tmp_path / "out" / "step_4" / ".merged.tmp-0123abcd"
+    stale.mkdir(parents=True)
+    (stale / "model-00001-of-00001.safetensors").write_bytes(b"partial")
+    (tmp_path / "out" / "step_4" / "adapter").mkdir()
+    assert checkpointer.remove_stale_temporaries() == [stale]
+    assert [p.name for p in (tmp_path / "out" / "step_4").iterdir()] == ["adapter"]
