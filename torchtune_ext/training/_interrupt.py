@@ -50,7 +50,7 @@ def _under_launcher() -> bool:
 
 def _say(message: str) -> None:
     """Writes to stderr without Python's buffered streams (safe inside a signal handler)."""
-    os.write(2, (message + "\n").encode())
+    os.write(2, ("\n" + message + "\n").encode())  # on a line of its own: a progress bar may hold the cursor
 
 
 class InterruptGuard:
