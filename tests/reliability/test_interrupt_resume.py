@@ -152,7 +152,7 @@ def _interrupt_and_resume(tmp_path: Path, base: Path, reference: Path, sig: int,
     if nproc:
         assert rc != 0, "the launcher exited 0 after an interrupt"
         if target != "group":  # the launcher reports its workers' exit codes (interrupted itself, it re-raises)
-            codes = [int(c) for c in re.findall(r"exitcode\s*: (-?\d+)", output)]
+            codes = [int(c) for c in re.findall(r"exitcode\s*: (-?\d+) \(pid", output)]
             assert sorted(codes) == [128 + sig] * nproc, (codes, output[-4000:])
     else:
         assert rc == 128 + sig, f"rc {rc}:\n{output[-4000:]}"
