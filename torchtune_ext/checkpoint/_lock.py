@@ -238,9 +238,10 @@ def claim_output_dir(output_dir: PathLike, resume: bool, overwrite: bool) -> Opt
 
     def claim() -> OutputDirLock:
         folder = Path(output_dir)
+        _check_unlocked(folder, resume, overwrite)  # before the lock file is written
         lock = OutputDirLock(folder).acquire()
         try:
-            _check_unlocked(folder, resume, overwrite)
+            _check_unlocked(folder, resume, overwrite)  # a run may have saved there meanwhile
         except ValueError:
             lock.release()
             raise
