@@ -46,8 +46,14 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from torchtune_ext._dtype import parse_dtype
-from torchtune_ext.checkpoint import MERGE_BASES, QLoRAHFCheckpointer, load_base_, read_hf_config
-from torchtune_ext.checkpoint._lock import check_output_dir, claim_output_dir
+from torchtune_ext.checkpoint import (  # [issue 17]
+    MERGE_BASES,
+    QLoRAHFCheckpointer,
+    check_output_dir,
+    claim_output_dir,
+    load_base_,
+    read_hf_config,
+)
 from torchtune_ext.distributed import (
     all_reduce_grads,
     all_reduce_sum,
