@@ -27,6 +27,7 @@ import pytest
 from reliability_utils import (
     DIST_CONFIG,
     DIST_RECIPE,
+    FAULTY_LOSS,
     REPO,
     RUN_TIMEOUT_S,
     SINGLE_CONFIG,
@@ -74,6 +75,7 @@ def _overrides(out: Path, base: Path, nproc: int) -> List[str]:
         "lr_scheduler.num_warmup_steps=2",
         "metric_logger._component_=torchtune.training.metric_logging.TensorBoardLogger",
         f"metric_logger.log_dir={out}/logs",
+        f"loss._component_={FAULTY_LOSS}",  # no fault unless a test sets one
     ] + (["batch_size=2", "process_group_timeout_s=60"] if nproc else ["batch_size=4"])
 
 
@@ -182,8 +184,9 @@ def _interrupt_and_resume(tmp_path: Path, base: Path, reference: Path, sig: int,
     assert worst <= TOLERANCE, (worst, losses, reference_losses)
     final = max_abs_diff(adapter(out / f"step_{STEPS}"), adapter(reference / f"step_{STEPS}"))
     assert final <= TOLERANCE
+    who = {"group": "the process group", "launcher": "the recipe process"}.get(target, f"rank {target}")
     print(
-        f"\n{name} to {target} after step {after}: saved step {step}, resumed; max loss diff {worst:.1e}, "
+        f"\n{name} to {who} after step {after}: saved step {step}, resumed; max loss diff {worst:.1e}, "
         f"final adapter diff {final:.1e}"
     )
 
@@ -201,3 +204,30 @@ def test_single_device_interrupt_saves_and_resumes(tmp_path, base, reference_sin
 )
 def test_distributed_interrupt_saves_the_same_step_on_every_rank(tmp_path, base, reference_distributed, sig, target):
     _interrupt_and_resume(tmp_path, base, reference_distributed, sig, nproc=2, target=target)
+
+
+def test_interrupt_in_the_last_step_of_an_epoch(tmp_path, base, reference_single):
+    """A SIGTERM the recipe sends itself (the fault-injecting loss) in the last step of epoch 1: the end-of-epoch
+    checkpoint (with its merged model) is the one kept, and the run exits 143. The printed resume command repeats
+    the fault, which fires again in the resumed run's 12th step, the last of the last epoch: a signal there lets
+    the run finish (rc 0). Both runs together equal the uninterrupted one."""
+    out = tmp_path / "interrupted"
+    fault = ["loss.fault=signal", f"loss.steps=[{STEPS_PER_EPOCH}]", f"loss.signum={int(signal.SIGTERM)}"]
+    run = _start(out, base, 0, fault)
+    assert run.wait() == 143, run.output[-4000:]
+    match = re.search(
+        rf"Interrupted by SIGTERM after step {STEPS_PER_EPOCH} \(epoch 1, batch {STEPS_PER_EPOCH}\)"
+        r".*\n  (.+)\n",
+        run.output,
+    )
+    assert match, run.output[-4000:]
+    assert recipe_state_step(out) == STEPS_PER_EPOCH
+    assert (out / f"step_{STEPS_PER_EPOCH}" / "merged").is_dir()
+    command = shlex.split(match.group(1))
+    resumed = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
+    assert "SIGTERM received" in resumed.stderr + resumed.stdout
+    losses, reference_losses = _losses(out), _losses(reference_single)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert max(abs(losses[s] - reference_losses[s]) for s in losses) <= TOLERANCE
+    assert max_abs_diff(adapter(out / f"step_{STEPS}"), adapter(reference_single / f"step_{STEPS}")) <= TOLERANCE

@@ -688,6 +688,10 @@ class QLoRARecipe(FTRecipeInterface):
                 disable=not self._is_rank_zero,
             )
             micro_batches = 0
+            if self._rng_to_restore is not None and self._steps_in_epoch_done == 0:
+                # [issue 17] resumed at an epoch's start: the uninterrupted run's iterator drew from this state
+                set_rng_state(self._rng_to_restore, self._device)
+                self._rng_to_restore = None
             batches = iter(self._dataloader)  # draws a seed from the global RNG, as at the start of the run
             if self._rng_to_restore is not None:
                 set_rng_state(self._rng_to_restore, self._device)
