@@ -200,7 +200,7 @@ def interrupted_message(signum: int, step: int, epoch: int, batch: int, checkpoi
     """
     return (
         f"\nInterrupted by {signal.Signals(signum).name} after step {step} (epoch {epoch}, batch {batch}): saved "
-        f"a resumable checkpoint ({checkpoint} and the recipe state). Resume with:\n  {command}"
+        f"a resumable checkpoint ({checkpoint} and the recipe state). Resume with (in {os.getcwd()}):\n  {command}"
     )
 
 
