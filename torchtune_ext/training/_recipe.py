@@ -379,8 +379,8 @@ class QLoRARecipe(FTRecipeInterface):
         self._steps_in_epoch_done = state["steps_in_epoch_done"]
 
     def _start_writing(self, cfg: DictConfig) -> None:
-        """Rank 0, once everything has been checked: clears what killed writes of an earlier run left in the
-        output folder and opens the metric logger."""
+        """Rank 0, once everything has been checked: locks the output folder (collective), clears what killed writes
+        of an earlier run left in it and opens the metric logger."""
         # [issue 17] one run per output_dir: rank 0 holds its lock until the process ends
         self._output_lock = claim_output_dir(
             self._checkpointer.output_dir, self._resume_from_checkpoint, self._overwrite_output_dir
