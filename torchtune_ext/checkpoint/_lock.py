@@ -14,7 +14,6 @@ starts writing. Both run on rank 0 and agree with the other ranks, which then fa
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import shutil
@@ -28,6 +27,11 @@ import torch.distributed as dist
 from torchtune import utils
 
 from torchtune_ext.checkpoint._checkpointer import RECIPE_STATE_DIRNAME, RECIPE_STATE_FILENAME
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): runs go unlocked, with a warning
+    fcntl = None
 
 log = utils.get_logger("INFO")
 
@@ -74,7 +78,7 @@ class OutputDirLock:
 
     def acquire(self) -> OutputDirLock:
         """Takes the lock and records this process in the lock file. On a file system without ``flock`` (some
-        network mounts) it warns and goes on unlocked.
+        network mounts) or a system without it (Windows) it warns and goes on unlocked.
 
         Returns:
             OutputDirLock: self.
@@ -82,6 +86,9 @@ class OutputDirLock:
         Raises:
             OutputDirInUseError: if a live process holds it.
         """
+        if fcntl is None:
+            log.warning("File locks need a POSIX system: nothing stops a second run in the same output_dir.")
+            return self
         self.output_dir.mkdir(parents=True, exist_ok=True)
         lock_file = open(self.path, "a+")
         try:
@@ -130,7 +137,7 @@ class OutputDirLock:
             bool: True while another run holds it.
         """
         path = Path(output_dir) / LOCK_FILENAME
-        if not path.is_file():
+        if fcntl is None or not path.is_file():
             return False
         with open(path) as lock_file:
             try:
