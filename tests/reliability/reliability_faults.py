@@ -7,6 +7,7 @@ fault at given training steps, on one rank or all:
   (a crash mid-training), or leaves it stalled (a hung rank).
 - ``fault=raise``: raise a RuntimeError (a rank that fails in step k).
 - ``fault=scale_grad``: leave the loss value alone but multiply its gradient by ``grad_factor`` (fp16 overflow).
+- ``fault=signal``: send this process the signal ``signum`` (an interrupt at an exact step).
 
 A subclass, so that the recipes recognise the chunked loss (``isinstance``) and chunk the model's output. Steps
 are counted as training forward calls (with gradients enabled, so validation does not count), which equals the
@@ -14,6 +15,7 @@ global step with ``gradient_accumulation_steps=1`` in a fresh (not resumed) run.
 """
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -21,7 +23,7 @@ from typing import List, Optional, Sequence
 import torch
 from torchtune.modules import loss as tune_loss
 
-FAULTS = ("pause", "raise", "scale_grad")
+FAULTS = ("pause", "raise", "scale_grad", "signal")
 
 
 def pause_here(marker: str) -> None:
@@ -63,6 +65,7 @@ class CEWithChunkedOutputLoss(tune_loss.CEWithChunkedOutputLoss):
         rank (Optional[int]): only this rank injects the fault; None: every rank.
         marker (Optional[str]): file written by ``pause``.
         grad_factor (float): gradient multiplier of ``scale_grad``.
+        signum (int): the signal of ``signal``.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class CEWithChunkedOutputLoss(tune_loss.CEWithChunkedOutputLoss):
         rank: Optional[int] = None,
         marker: Optional[str] = None,
         grad_factor: float = 1e12,
+        signum: int = signal.SIGINT,
     ):
         super().__init__(num_output_chunks=num_output_chunks, ignore_index=ignore_index)
         if fault is not None and fault not in FAULTS:
@@ -85,6 +89,7 @@ class CEWithChunkedOutputLoss(tune_loss.CEWithChunkedOutputLoss):
         self.rank = rank
         self.marker = marker
         self.grad_factor = float(grad_factor)
+        self.signum = int(signum)
         self.training_calls = 0
 
     def forward(self, logits: List[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
@@ -98,6 +103,9 @@ class CEWithChunkedOutputLoss(tune_loss.CEWithChunkedOutputLoss):
             return loss
         if self.fault == "pause":
             pause_here(self.marker)
+        if self.fault == "signal":
+            os.kill(os.getpid(), self.signum)
+            return loss
         if self.fault == "raise":
             raise RuntimeError(f"injected fault: rank {this_rank()} fails in step {self.training_calls}")
         return _ScaleGrad.apply(loss, self.grad_factor)

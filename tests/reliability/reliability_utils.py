@@ -48,7 +48,7 @@ def small_run(out: Path, base: Path, steps: int, log_dir: Path) -> List[str]:
 def env(pause: Optional[str] = None, marker: Optional[Path] = None, rank: Optional[int] = None) -> Dict[str, str]:
     """The subprocess environment: the fault modules importable; with ``pause``, the checkpoint-write hooks of
     ``inject/sitecustomize.py`` armed (``<point>@<step>``, see there)."""
-    paths = [str(HERE)] + ([str(INJECT)] if pause else []) + [str(REPO)]  # [issue 24] this checkout's torchtune_ext
+    paths = [str(REPO), str(HERE)] + ([str(INJECT)] if pause else [])  # the code under test, not an installed copy
     result = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
     for key in (
         "RELIABILITY_PAUSE",

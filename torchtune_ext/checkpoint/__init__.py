@@ -1,6 +1,6 @@
 """HF / PEFT checkpoint I/O: stream a base HF checkpoint into a (sharded) QLoRA model, write PEFT adapters, merged
-HF models and resumable recipe state, atomically; random-weight HF checkpoints of real shapes for tests and
-benchmarks."""
+HF models and resumable recipe state, atomically; one run per output folder (a lock); random-weight HF checkpoints
+of real shapes for tests and benchmarks."""
 
 from torchtune_ext.checkpoint._atomic import atomic_directory, atomic_save, check_writable, remove_stale_temporaries
 from torchtune_ext.checkpoint._checkpointer import (
@@ -23,6 +23,7 @@ from torchtune_ext.checkpoint._hf import (
     read_hf_config,
 )
 from torchtune_ext.checkpoint._load import LOAD_CHUNK_BYTES, load_base_
+from torchtune_ext.checkpoint._lock import OutputDirInUseError, OutputDirLock, check_output_dir, claim_output_dir
 from torchtune_ext.checkpoint._random import write_random_hf_checkpoint
 from torchtune_ext.checkpoint._recipe_state import (
     DataPosition,
@@ -50,12 +51,16 @@ __all__ = [
     "UnsafeRecipeStateError",
     "WriteError",
     "HFConverter",
+    "OutputDirInUseError",
+    "OutputDirLock",
     "atomic_directory",
     "atomic_save",
     "check_checkpoint_matches",
+    "check_output_dir",
     "check_writable",
-    "decoder_hf_config",
     "check_writable_folders",
+    "claim_output_dir",
+    "decoder_hf_config",
     "hf_dtype_fields",
     "llama3_2_hf_config",
     "load_base_",

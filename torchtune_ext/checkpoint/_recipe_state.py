@@ -287,6 +287,7 @@ class RecipeState:
         rng_per_rank (List[Dict[str, Any]]): every rank's RNG states, plain (:func:`plain_rng_state`).
         kept_ids (Optional[List[int]]): vocab pruning's kept token ids.
         checkpoint (Optional[str]): the name of the step folder saved with it (in the output folder).
+        metric_log_dir (Optional[str]): the metric logger's folder, which a resume continues writing into.
     """
 
     global_step: int
@@ -304,6 +305,7 @@ class RecipeState:
     rng_per_rank: List[Dict[str, Any]]
     kept_ids: Optional[List[int]] = None
     checkpoint: Optional[str] = None
+    metric_log_dir: Optional[str] = None
     #: where it was loaded from (not saved).
     source: Optional[Path] = field(default=None, compare=False)
 

@@ -1,5 +1,5 @@
 """Training: the QLoRA recipe both recipes run (setup, loop, checkpoints, resume, summary), compute dtypes and fp16
-loss scaling, memory and throughput metrics, and the config settings the recipes read."""
+loss scaling, interrupts that save, memory and throughput metrics, and the config settings the recipes read."""
 
 from torchtune_ext._dtype import DTYPES, is_bf16_supported, parse_dtype
 
@@ -7,6 +7,7 @@ from torchtune_ext._dtype import DTYPES, is_bf16_supported, parse_dtype
 from torchtune_ext.distributed import get_full_state_dict
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
 from torchtune_ext.training._export import check_run_folders, export_merged, merge_command
+from torchtune_ext.training._interrupt import InterruptGuard, resume_command
 from torchtune_ext.training._metrics import (
     Throughput,
     format_memory_stats,
@@ -42,6 +43,7 @@ __all__ = [
     "DTYPES",
     "RECIPE_ALLOWANCE",
     "DistributedLossScaler",
+    "InterruptGuard",
     "LoRASettings",
     "LossScaler",
     "NonFiniteError",
@@ -71,6 +73,7 @@ __all__ = [
     "peak_rss_bytes",
     "positive_int",
     "resolve_kept_ids",
+    "resume_command",
     "rng_state",
     "rss_bytes",
     "set_rng_state",

@@ -55,12 +55,14 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from torchtune_ext._dtype import parse_dtype
-from torchtune_ext.checkpoint import (
+from torchtune_ext.checkpoint import (  # [issue 17] output-dir checks
     MERGE_BASES,
     DataPosition,
     QLoRAHFCheckpointer,
     RecipeState,
     RunIdentity,
+    check_output_dir,
+    claim_output_dir,
     load_base_,
     plain_rng_state,
     read_hf_config,
@@ -84,6 +86,12 @@ from torchtune_ext.modules.transformer import tile_mlp_
 from torchtune_ext.modules.vocab_pruning import VocabPruning, export_full_vocab_state_dict, prune_vocab_
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
 from torchtune_ext.training._export import check_run_folders, export_merged
+from torchtune_ext.training._interrupt import (
+    InterruptGuard,
+    continued_metric_logger,
+    interrupted_message,
+    resume_command,
+)
 from torchtune_ext.training._metrics import Throughput, format_memory_stats, gather_memory_stats, memory_stats
 from torchtune_ext.training._nonfinite import NonFiniteGuard, check_base_finite
 from torchtune_ext.training._precision import (
@@ -209,6 +217,7 @@ class QLoRARecipe(FTRecipeInterface):
         self._run_val_every_n_steps = positive_int(cfg, "run_val_every_n_steps", None)
         self._max_validation_steps = positive_int(cfg, "max_validation_steps", None)
         self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
+        self._overwrite_output_dir = bool(cfg.get("overwrite_output_dir", False))  # [issue 17]
         self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
         self._merge_base = cfg.get("merge_base", "nf4")
         if self._merge_base not in MERGE_BASES:
@@ -249,6 +258,8 @@ class QLoRARecipe(FTRecipeInterface):
         the config, the data and the resumed state have been checked. Collective on several ranks."""
         check_run_folders(cfg)  # [issue 24] every folder the run writes is writable, before anything is written
         self._set_seed(cfg)
+        # [issue 17] a busy output_dir, or one holding another run's checkpoints, is refused before any write
+        check_output_dir(cfg.checkpointer.output_dir, self._resume_from_checkpoint, self._overwrite_output_dir)
         self._generate_base_checkpoint(cfg)
         dataset, val_dataset = self._build_components(cfg)
         self._check_data(dataset, val_dataset, cfg.tokenizer.get("max_seq_len", None))
@@ -258,6 +269,7 @@ class QLoRARecipe(FTRecipeInterface):
         state = self._checkpointer.load_recipe_state() if self._resume_from_checkpoint else None
         if state is not None:
             self._check_recipe_state(state)
+        self._saved_log_dir = state.metric_log_dir if state is not None else None  # [issue 17]
 
         loss_scaler = DistributedLossScaler if self.world_size > 1 else LossScaler
         self._loss_scaler = loss_scaler(
@@ -388,8 +400,12 @@ class QLoRARecipe(FTRecipeInterface):
             self._last_checkpoint = state.checkpoint_path
 
     def _start_writing(self, cfg: DictConfig) -> None:
-        """Rank 0, once everything has been checked: clears what killed writes of an earlier run left in the
-        output folder and opens the metric logger."""
+        """Rank 0, once everything has been checked: locks the output folder (collective), clears what killed writes
+        of an earlier run left in it and opens the metric logger."""
+        # [issue 17] one run per output_dir: rank 0 holds its lock until the process ends
+        self._output_lock = claim_output_dir(
+            self._checkpointer.output_dir, self._resume_from_checkpoint, self._overwrite_output_dir
+        )
         if not self._is_rank_zero:
             return
         stale = self._checkpointer.remove_stale_temporaries()
@@ -397,7 +413,8 @@ class QLoRARecipe(FTRecipeInterface):
             log.info(
                 f"Deleted {len(stale)} temporary file(s)/folder(s) of interrupted writes: {[p.name for p in stale]}"
             )
-        self._metric_logger = config.instantiate(cfg.metric_logger)
+        # [issue 17] a resume continues the interrupted run's TensorBoard folder
+        self._metric_logger = config.instantiate(continued_metric_logger(cfg.metric_logger, self._saved_log_dir))
         self._metric_logger.log_config(cfg)
 
     def _load_model(self, state: Optional[RecipeState]) -> None:
@@ -677,6 +694,12 @@ class QLoRARecipe(FTRecipeInterface):
             self._metric_logger.log_dict(metrics, step=self.global_step)
 
     def train(self) -> None:
+        """Trains (:meth:`_train_epochs`); SIGINT or SIGTERM stop it after the current step with a resumable
+        checkpoint and exit code 128 + signal (:meth:`_stop_interrupted`)."""
+        with InterruptGuard() as self._interrupt:  # [issue 17]
+            self._train_epochs()
+
+    def _train_epochs(self) -> None:
         """The training loop: gradient accumulation normalised by the global label-token count of each step (all
         ranks, all micro-batches), as torchtune's recipes; checkpoints every ``save_every_n_steps`` and at the end
         of each epoch; stops after ``stop_after_step`` with a resumable checkpoint."""
@@ -694,6 +717,10 @@ class QLoRARecipe(FTRecipeInterface):
                 disable=not self._is_rank_zero,
             )
             micro_batches = 0
+            if self._rng_to_restore is not None and self._steps_in_epoch_done == 0:
+                # [issue 17] resumed at an epoch's start: the uninterrupted run's iterator drew from this state
+                set_rng_state(self._rng_to_restore, self._device)
+                self._rng_to_restore = None
             batches = iter(self._dataloader)  # draws a seed from the global RNG, as at the start of the run
             if self._rng_to_restore is not None:
                 set_rng_state(self._rng_to_restore, self._device)
@@ -735,6 +762,9 @@ class QLoRARecipe(FTRecipeInterface):
                         self._metric_logger.log_dict({"val_loss": val_loss}, step=self.global_step)
 
                 mid_epoch = self._steps_in_epoch_done < self._steps_per_epoch
+                if mid_epoch and self._interrupt.requested():  # [issue 17] a signal: save this step and exit
+                    pbar.close()
+                    self._stop_interrupted(end_of_epoch=False)
                 if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
                     if mid_epoch:
                         pbar.close()
@@ -753,6 +783,32 @@ class QLoRARecipe(FTRecipeInterface):
             self.save_checkpoint(end_of_epoch=True)
             if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
                 return
+            if curr_epoch + 1 < self.total_epochs and self._interrupt.requested():  # [issue 17]
+                self._stop_interrupted(end_of_epoch=True)
+
+    def _stop_interrupted(self, end_of_epoch: bool) -> None:
+        """[issue 17] Saves this step as a resumable checkpoint (adapter + recipe state, no merged model; at the end
+        of an epoch it is saved already) and exits with 128 + the signal, printing the step and the resume command.
+
+        Raises:
+            SystemExit: always.
+        """
+        if not end_of_epoch:
+            self.save_checkpoint(end_of_epoch=False, full=False)
+        if not self._is_rank_zero:
+            self._interrupt.exit()
+        self._metric_logger.close()
+        epoch, steps = (
+            (self.epochs_run, self._steps_per_epoch)
+            if end_of_epoch
+            else (self.epochs_run + 1, self._steps_in_epoch_done)
+        )
+        batch = steps * self._gradient_accumulation_steps
+        self._interrupt.exit(
+            interrupted_message(
+                self._interrupt.signum, self.global_step, epoch, batch, self._last_checkpoint, resume_command()
+            )
+        )
 
     def _should_validate(self) -> bool:
         return bool(
@@ -792,6 +848,7 @@ class QLoRARecipe(FTRecipeInterface):
             rng_per_rank=[plain_rng_state(r) for r in rng],
             kept_ids=self._kept_ids,
             checkpoint=self._last_checkpoint.name,
+            metric_log_dir=getattr(self._metric_logger, "log_dir", None),  # [issue 17] continued on resume
         )
 
     def _rng_states(self) -> List[Dict[str, Any]]:
@@ -985,6 +1042,7 @@ class QLoRARecipe(FTRecipeInterface):
         if not self._is_rank_zero:
             return
         self._metric_logger.close()
+        self._output_lock.release()  # [issue 17]
         print(self._summary(memory), flush=True)
 
     def _summary(self, memory: Dict[str, float]) -> str:

@@ -1,0 +1,77 @@
+"""One run per output folder, with real recipe processes (single device):
+
+1. run A starts (a checkpoint every step) and stalls in step 3;
+2. run B starts into the same folder: refused at start, naming A's pid and start time, writing nothing;
+3. A is SIGKILLed (its lock goes with it); run C starts into the folder again without resuming: refused, naming
+   the checkpoints found there and both ways on (``resume_from_checkpoint=True``, ``overwrite_output_dir=True``),
+   writing nothing;
+4. run D resumes: the killed run's lock does not block it, and it trains to the end.
+"""
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from reliability_utils import (
+    SINGLE_CONFIG,
+    SINGLE_RECIPE,
+    assert_no_leftovers,
+    check_ok,
+    kill,
+    logged,
+    small_run,
+    snapshot,
+    tune,
+)
+
+from torchtune_ext.data import write_tiny_checkpoint
+
+pytestmark = [pytest.mark.integration_test]
+
+STEPS = 4
+
+
+def _start(out: Path, base: Path, name: str, extra=()):
+    overrides = small_run(out, base, STEPS, out / "logs" / name) + ["batch_size=4", *extra]
+    return tune(SINGLE_RECIPE, SINGLE_CONFIG, overrides, out.parent / f"{name}.log")
+
+
+def _refused(run) -> str:
+    rc = run.wait()
+    assert rc != 0, f"a second run into a used output_dir started:\n{run.output[-3000:]}"
+    return run.output
+
+
+def test_one_run_per_output_dir(tmp_path):
+    base = write_tiny_checkpoint(tmp_path / "base", family="llama", dtype="fp32", seed=0)
+    out = tmp_path / "out"
+    marker = tmp_path / "paused"
+    stall = ["save_every_n_steps=1", "loss.fault=pause", "loss.steps=[3]", f"loss.marker={marker}"]
+    started = time.time()
+    first = _start(out, base, "A", stall)
+    pid = first.wait_for_marker(marker)
+    paused = time.time()
+    assert pid == first.proc.pid
+
+    before = snapshot(out)
+    output = _refused(_start(out, base, "B"))
+    assert re.search(
+        rf"output_dir='{re.escape(str(out))}' is in use by another run \(pid {pid} on .*, started ", output
+    )
+    stamp = re.search(r"started (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)", output).group(1)
+    locked = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S"))  # A took the lock between its start and pause
+    assert started - 1 <= locked <= paused, (started, stamp, paused)
+    assert snapshot(out) == before, "the refused run wrote into the folder"
+
+    assert kill(first, pid) != 0
+    assert_no_leftovers([first])
+    before = snapshot(out)
+    output = _refused(_start(out, base, "C"))
+    assert "holds another run's checkpoints (recipe_state/recipe_state.pt, step_1, step_2)" in output
+    assert "resume_from_checkpoint=True" in output and "overwrite_output_dir=True" in output
+    assert snapshot(out) == before, "the refused run wrote into the folder"
+
+    check_ok(_start(out, base, "D", ["resume_from_checkpoint=True"]))
+    assert sorted(logged(out / "logs" / "D")) == [3, 4]
+    assert (out / f"step_{STEPS}" / "adapter").is_dir()
