@@ -2,6 +2,12 @@
 HF models and resumable recipe state, atomically; random-weight HF checkpoints of real shapes for tests and
 benchmarks."""
 
+from torchtune_ext.checkpoint._adapter import (
+    PeftAdapter,
+    check_adapter_fits,
+    read_adapter_state,
+    read_peft_adapter,
+)
 from torchtune_ext.checkpoint._atomic import atomic_directory, atomic_save, check_writable, remove_stale_temporaries
 from torchtune_ext.checkpoint._checkpointer import (
     ADAPTER_DIRNAME,
@@ -34,15 +40,19 @@ __all__ = [
     "SAFETENSORS_INDEX",
     "SUPPORTED_MODEL_TYPES",
     "HFConverter",
+    "PeftAdapter",
     "atomic_directory",
     "atomic_save",
+    "check_adapter_fits",
     "check_writable",
     "hf_dtype_fields",
     "llama3_2_hf_config",
     "load_base_",
     "peft_adapter_config",
     "qwen2_hf_config",
+    "read_adapter_state",
     "read_hf_config",
+    "read_peft_adapter",
     "remove_stale_temporaries",
     "resolve_checkpoint_files",
     "write_random_hf_checkpoint",
