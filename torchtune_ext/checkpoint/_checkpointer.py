@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -340,21 +340,33 @@ class QLoRAHFCheckpointer:
         merged = get_merged_lora_ckpt(sub, rank=adapter_config["rank"], alpha=adapter_config["alpha"])
         return merged[key].to(dtype)
 
-    def _write_merged(
+    def write_merged(
         self,
-        state: Dict[str, torch.Tensor],
+        state: Mapping[str, torch.Tensor],
         folder: Path,
         dtype: torch.dtype,
         adapter_config: Dict[str, Any],
         base: str,
+        shapes: Optional[Dict[str, torch.Size]] = None,  # [issue 18] a lazy state (tune-ext merge) gives its shapes
     ) -> None:
+        """Writes the merged model (shards, index, config.json, the base's other files) into ``folder``, one tensor
+        at a time, each read from ``state`` when its turn comes.
+
+        Args:
+            state (Mapping[str, torch.Tensor]): torchtune keys -> base weights (NF4 or dense) and adapters.
+            folder (Path): an existing, empty folder.
+            dtype (torch.dtype): the merged tensors' dtype.
+            adapter_config (Dict[str, Any]): ``rank`` and ``alpha`` at least.
+            base (str): ``merge_base``.
+            shapes (Optional[Dict[str, torch.Size]]): every base key's shape; None: from ``state``'s tensors.
+        """
         converter = self.converter
         keys = {}
         specs = []
-        for key, tensor in state.items():
+        for key, shape in (shapes or {k: v.shape for k, v in state.items()}).items():
             if is_adapter_key(key):
                 continue
-            hf_key, hf_meta = converter.to_hf(key, torch.empty(tensor.shape, device="meta"))
+            hf_key, hf_meta = converter.to_hf(key, torch.empty(shape, device="meta"))
             keys[hf_key] = key
             specs.append(_safetensors.TensorSpec(hf_key, hf_meta.shape, dtype))
         shards = _safetensors.plan_shards(specs, self.max_shard_bytes)
@@ -430,7 +442,7 @@ class QLoRAHFCheckpointer:
             self._write_adapter(state_dict, tmp / ADAPTER_DIRNAME, adapter_config)
             if save_merged:
                 (tmp / MERGED_DIRNAME).mkdir()
-                self._write_merged(state_dict, tmp / MERGED_DIRNAME, dtype, adapter_config, merge_base)
+                self.write_merged(state_dict, tmp / MERGED_DIRNAME, dtype, adapter_config, merge_base)
         return final
 
     def remove_stale_temporaries(self) -> List[Path]:

@@ -76,6 +76,7 @@ from torchtune_ext.training._settings import (
     build_dataset,
     build_qlora_model,
     build_tokenizer,
+    dtype_or_checkpoints,
     frozen_weights_dtype,
     parse_vocab_pruning,
     positive_int,
@@ -271,6 +272,8 @@ class QLoRARecipe(FTRecipeInterface):
         self._frozen_dtype = frozen_weights_dtype(
             cfg.get("frozen_dtype", None), self._dtype, self._checkpointer.hf_config
         )
+        # [issue 18] merged_dtype: the merged export's dtype (default: the base checkpoint's)
+        self._merged_dtype = dtype_or_checkpoints(cfg.get("merged_dtype", None), self._checkpointer.hf_config)
         self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
         self._checkpointer.validate(self._model)
         self._tokenizer = build_tokenizer(cfg.tokenizer)
@@ -775,7 +778,7 @@ class QLoRARecipe(FTRecipeInterface):
                 step=self.global_step,
                 adapter_config=self._lora.adapter_config(self._pruning),
                 save_merged=save_merged,
-                dtype=self._dtype,
+                dtype=self._merged_dtype,  # [issue 18] merged_dtype
                 merge_base=self._merge_base,
             )
             recipe_state = {
