@@ -23,10 +23,13 @@ from typing import Dict, List, Optional
 
 from torchtune._cli.run import Run
 
+from torchtune_ext import _use_cli
+
 #: configs whose name contains this belong to the single-device recipe; the others to the distributed one.
 _SINGLE_DEVICE_MARK = "single_device"
 SINGLE_DEVICE_RECIPE = "qlora_finetune_single_device"
 DISTRIBUTED_RECIPE = "qlora_finetune_distributed"
+GENERATION_RECIPE = "generate"  # [issue 18] configs named *generation
 
 
 def recipe_files() -> Dict[str, Path]:
@@ -55,6 +58,8 @@ def recipe_of(config_name: str) -> str:
     Returns:
         str: the recipe the config is written for.
     """
+    if "generation" in config_name:  # [issue 18]
+        return GENERATION_RECIPE
     return SINGLE_DEVICE_RECIPE if _SINGLE_DEVICE_MARK in config_name else DISTRIBUTED_RECIPE
 
 
@@ -122,7 +127,7 @@ class _RunOurs(Run):
 def build_parser() -> argparse.ArgumentParser:
     """
     Returns:
-        argparse.ArgumentParser: the ``tune-ext`` parser (subcommands ``ls``, ``cp``, ``run``).
+        argparse.ArgumentParser: the ``tune-ext`` parser (subcommands ``ls``, ``cp``, ``run``, ``generate``, ``chat``, ``merge``).
     """
     parser = argparse.ArgumentParser(
         prog="tune-ext", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -137,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--make-parents", action="store_true", help="create the destination's missing folders")
     cp.set_defaults(func=_cp)
     _RunOurs(subparsers)
+    _use_cli.add_subcommands(subparsers, lambda name: _resolve(name, config_files(), "config"))  # [issue 18]
     return parser
 
 
