@@ -127,7 +127,7 @@ class _RunOurs(Run):
 def build_parser() -> argparse.ArgumentParser:
     """
     Returns:
-        argparse.ArgumentParser: the ``tune-ext`` parser (subcommands ``ls``, ``cp``, ``run``, ``generate``, ``chat``, ``merge``).
+        argparse.ArgumentParser: the ``tune-ext`` parser (``ls``, ``cp``, ``run``, ``generate``, ``chat``, ``merge``).
     """
     parser = argparse.ArgumentParser(
         prog="tune-ext", description=__doc__, formatter_class=argparse.RawTextHelpFormatter

@@ -263,7 +263,7 @@ def test_dtype_overrides_run_and_track_fp32(runs, dtype, tolerance):
     ],
 )
 def test_saved_tensors_have_the_documented_dtypes(runs, dtype, extra, adapter_dtype, merged_dtype, hf_name):
-    out = runs("_".join((dtype, *extra)), f"dtype={dtype}", *extra)
+    out = runs("_".join((dtype, *extra)).replace("=", "_"), f"dtype={dtype}", *extra)
     step = out / f"step_{STEPS}"
     adapter = load_file(step / "adapter" / "adapter_model.safetensors")
     assert adapter and {v.dtype for v in adapter.values()} == {adapter_dtype}
