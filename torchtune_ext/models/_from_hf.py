@@ -44,13 +44,15 @@ def torchtune_builder_for(hf_config: Dict[str, Any]) -> Tuple[Callable[..., Tran
         intermediate_dim=hf_config["intermediate_size"],
         max_seq_len=hf_config.get("max_position_embeddings", 4096),
         norm_eps=hf_config.get("rms_norm_eps", 1e-5),
-        rope_base=hf_config.get("rope_theta", 10_000.0),
     )
-    tied = bool(hf_config.get("tie_word_embeddings", model_type == "qwen2"))
+    # transformers 5 writes rope_parameters (with rope_theta inside); 4.x rope_scaling and rope_theta
+    scaling = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    args["rope_base"] = hf_config.get("rope_theta", scaling.get("rope_theta", 10_000.0))
+    tied = bool(hf_config.get("tie_word_embeddings", False))
     if model_type == "qwen2":
         return lora_qwen2, {**args, "tie_word_embeddings": tied}, HF_MODEL_TYPES[model_type]
-    scaling = hf_config.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type", scaling.get("type"))
+    rope_type = None if rope_type == "default" else rope_type
     if rope_type == "llama3":
         args.update(scale_factor=scaling["factor"], tie_word_embeddings=tied)
         return lora_llama3_2, args, HF_MODEL_TYPES[model_type]
