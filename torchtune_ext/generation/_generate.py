@@ -125,6 +125,19 @@ class Generator:
         self.device = torch.device(device)
         self.max_seq_len = min(max_seq_len or model.max_seq_len, model.max_seq_len)
         self.stop_ids = set(getattr(tokenizer, "stop_tokens", None) or [tokenizer.eos_id])
+        self._vocab_size = getattr(tokenizer, "vocab_size", None)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """
+        Args:
+            tokens (Sequence[int]): token ids.
+
+        Returns:
+            str: their text; ids beyond the tokenizer's vocabulary (a model's padded rows) are left out.
+        """
+        if self._vocab_size is not None:
+            tokens = [t for t in tokens if t < self._vocab_size]
+        return self.tokenizer.decode(list(tokens))
 
     def encode_prompt(self, prompt: Any, chat: bool) -> List[int]:
         """
@@ -174,10 +187,10 @@ class Generator:
                 reason = "eos"
                 break
             new.append(token)
-            if settings.stop and any(s in self.tokenizer.decode(new) for s in settings.stop):
+            if settings.stop and any(s in self.decode(new) for s in settings.stop):
                 reason = "stop_string"
                 break
-        text = self.tokenizer.decode(new)
+        text = self.decode(new)
         if reason == "stop_string":
             text = text[: min(text.find(s) for s in settings.stop if s in text)]
         return Answer(text=text, tokens=new, stop_reason=reason, seconds=time.perf_counter() - start)
