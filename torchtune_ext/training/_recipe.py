@@ -85,6 +85,7 @@ from torchtune_ext.training._settings import (
     set_rng_state,
     shifted_labels,
 )
+from torchtune_ext.training._validation import ValidationHistory
 
 log = utils.get_logger("INFO")
 
@@ -206,6 +207,7 @@ class QLoRARecipe(FTRecipeInterface):
         self.global_step = 0
         self._steps_in_epoch_done = 0
         self.loss_history = []
+        self._val_history = ValidationHistory()  # [issue 18] validation loss on the console and in the summary
         self._train_tokens = 0.0
         self._train_seconds = 0.0
 
@@ -697,6 +699,7 @@ class QLoRARecipe(FTRecipeInterface):
                     val_loss = self._validate()
                     if self._is_rank_zero:
                         self._metric_logger.log_dict({"val_loss": val_loss}, step=self.global_step)
+                        self._val_history.add(self.global_step, val_loss)  # [issue 18]
 
                 mid_epoch = self._steps_in_epoch_done < self._steps_per_epoch
                 if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
@@ -930,6 +933,7 @@ class QLoRARecipe(FTRecipeInterface):
                 f"  loss: {self.loss_history[0]:.4f} (step {self._first_step_of_run}) -> "
                 f"{self.loss_history[-1]:.4f} (step {self.global_step})"
             )
+        lines += self._val_history.summary_lines()  # [issue 18]
         lines.append(f"  peak memory:         {_peak_memory_line(memory)}")
         if self._train_seconds > 0:
             lines.append(
