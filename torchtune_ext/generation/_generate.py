@@ -12,6 +12,9 @@ from torch import nn
 from torchtune.data import Message
 from torchtune.modules.common_utils import delete_kv_caches
 
+#: prompt tokens per cached forward (see ``Generator``).
+PREFILL_CHUNK = 512
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -109,6 +112,8 @@ class Generator:
         dtype (torch.dtype): dtype of the KV caches (the compute dtype).
         device (torch.device): the model's device.
         max_seq_len (Optional[int]): prompt + answer length limit; None: the model's ``max_seq_len``.
+        prefill_chunk (int): the prompt goes through the cached model this many tokens at a time, so that a long
+            prompt's logits (``chunk x vocab``) are never all held.
     """
 
     def __init__(
@@ -118,8 +123,10 @@ class Generator:
         dtype: torch.dtype,
         device: torch.device,
         max_seq_len: Optional[int] = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         self.model = model
+        self.prefill_chunk = prefill_chunk
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.device = torch.device(device)
@@ -211,7 +218,9 @@ class Generator:
             causal = torch.tril(torch.ones(total, total, dtype=torch.bool, device=self.device))
             positions = torch.arange(total, device=self.device)
             length = len(tokens)
-            logits = self.model(ids, input_pos=positions[None, :length], mask=causal[None, :length])
+            for start in range(0, length, self.prefill_chunk):
+                chunk = slice(start, min(start + self.prefill_chunk, length))
+                logits = self.model(ids[:, chunk], input_pos=positions[None, chunk], mask=causal[None, chunk])
             for step in range(budget):
                 token = sample_next_token(logits[:, -1], settings, generator)
                 yield int(token)

@@ -17,6 +17,7 @@ from torchtune import config, utils
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import check_writable, read_hf_config
 from torchtune_ext.generation._generate import (
+    PREFILL_CHUNK,
     Generator,
     SamplingSettings,
     answers_record,
@@ -200,10 +201,12 @@ class GenerationRecipe:
         model = build_qlora_model(cfg.model, self._dtype, self._dtype, frozen)
         length = min(self._max_seq_len or model.max_seq_len, model.max_seq_len)
         weights, cache = weight_bytes(model), kv_cache_bytes(model, length, self._dtype)
+        logits = min(PREFILL_CHUNK, length) * model.tok_embeddings.num_embeddings * 4  # one prefill chunk, fp32
         report = (
             f"Generation memory (dtype {self._dtype}, frozen embedding/output in {frozen}): weights "
             f"{weights / GIB:.3f} GiB + KV cache at {length} tokens {cache / GIB:.3f} GiB = "
-            f"{(weights + cache) / GIB:.3f} GiB, plus activations of one forward."
+            f"{(weights + cache) / GIB:.3f} GiB, plus the activations of one forward (the logits of a "
+            f"{min(PREFILL_CHUNK, length)}-token prefill chunk: {logits / GIB:.3f} GiB)."
         )
         print(report, flush=True)
         return report

@@ -96,8 +96,8 @@ def _transformers_greedy(folder: Path, prompt, new_tokens: int):
     return out[0, len(prompt) :].tolist()
 
 
-def _ours_greedy(model, prompt, new_tokens: int, use_cache: bool = True):
-    generator = Generator(model, _IdsTokenizer(), torch.float32, torch.device("cpu"))
+def _ours_greedy(model, prompt, new_tokens: int, use_cache: bool = True, prefill_chunk: int = 512):
+    generator = Generator(model, _IdsTokenizer(), torch.float32, torch.device("cpu"), prefill_chunk=prefill_chunk)
     settings = SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True, use_cache=use_cache)
     return generator.generate(prompt, settings).tokens
 
@@ -114,7 +114,9 @@ def test_greedy_tokens_equal_transformers_on_the_nf4_merged_model(run, seed):
 def test_cached_decoding_equals_uncached_argmax(run):
     _, _, model = run
     prompt = _prompt(seed=2)
-    assert _ours_greedy(model, prompt, 24, use_cache=True) == _ours_greedy(model, prompt, 24, use_cache=False)
+    uncached = _ours_greedy(model, prompt, 24, use_cache=False)
+    assert _ours_greedy(model, prompt, 24, use_cache=True) == uncached
+    assert _ours_greedy(model, prompt, 24, use_cache=True, prefill_chunk=5) == uncached  # a prompt in 3 chunks
 
 
 def test_loader_without_a_model_config_builds_the_adapter_s_model(run):
