@@ -11,7 +11,7 @@ weights kept packed):
 - ``step_{N}/adapter/``: ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT format, for
   ``peft.PeftModel.from_pretrained(base, path)``), adapter tensors in their param dtype.
 - ``step_{N}/merged/``: the merged model, ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` +
-  ``config.json`` (+ the base folder's tokenizer files), in the compute dtype; its config names that dtype under
+  ``config.json`` (+ the base folder's tokenizer files), in the ``dtype`` asked for; its config names it under
   both keys transformers reads (``dtype``: 5.x, ``torch_dtype``: 4.x). No ``adapter_*`` files here: transformers
   would apply them on top of already merged weights. ``merge_base="nf4"`` (default, as torchtune) merges onto the
   NF4-dequantized base, i.e. exactly the trained model; ``"original"`` onto the checkpoint's own weights, read
