@@ -128,7 +128,7 @@ def _check_supported(config: Dict[str, Any], path: Path) -> None:
         mlp = {PEFT_TO_TUNE_MODULES[m] for m in targets if m in PEFT_TO_TUNE_MODULES} & set(_MLP)
         if mlp and mlp != set(_MLP):
             problems.append("LoRA on part of the MLP (torchtune adapts gate_proj, up_proj and down_proj together)")
-    for key, supported in (("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none")):
+    for key, supported in (("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none"), ("lora_bias", False)):
         if config.get(key, supported) != supported:
             problems.append(f"{key}={config[key]!r}")
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):

@@ -171,3 +171,21 @@ def test_adapter_of_another_base_fails_before_writing(outputs, tmp_path):
     with pytest.raises(ValueError, match=r"does not fit the model.*has layers.1.attn.q_proj.lora_a.weight"):
         merge_adapter(other, nf4 / "adapter", tmp_path / "merged")
     assert not (tmp_path / "merged").exists()
+
+
+def test_merge_streams_each_base_tensor_once(outputs, tmp_path, monkeypatch):
+    """One tensor read at a time, each once: host memory stays near one tensor (plus the adapter)."""
+    from torchtune_ext.checkpoint import _safetensors
+
+    base, nf4, _ = outputs
+    reads = []
+    read_tensor = _safetensors.read_tensor
+    monkeypatch.setattr(_safetensors, "read_tensor", lambda path, name: reads.append(name) or read_tensor(path, name))
+    iterated = []
+    iter_tensors = _safetensors.iter_tensors
+    monkeypatch.setattr(_safetensors, "iter_tensors", lambda path: iterated.append(path) or iter_tensors(path))
+    merged = merge_adapter(base, nf4 / "adapter", tmp_path / "merged")
+    base_names = set(_safetensors.read_header(base / "model.safetensors"))
+    assert sorted(reads) == sorted(base_names)
+    assert iterated == [nf4 / "adapter" / "adapter_model.safetensors"]  # the base is never read whole
+    assert (merged / "config.json").is_file()
