@@ -276,3 +276,25 @@ def test_prompts_file_errors_name_the_line(tmp_path):
     path.write_text('{"prompt": "a"}\n{"text": "b"}\n')
     with pytest.raises(ValueError, match=r"prompts.jsonl:2 needs \"prompt\""):
         read_prompts(str(path))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"use_rslora": True}, "use_rslora=True"),
+        ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+        ({"target_modules": ["q_proj", "gate_proj"]}, "LoRA on part of the MLP"),
+        ({"target_modules": "all-linear"}, "a list of module names is needed"),
+    ],
+)
+def test_unsupported_peft_settings_fail_naming_the_file(llama_run, tmp_path, monkeypatch, change, match):
+    import json
+
+    calls = _spy_load(monkeypatch)
+    adapter = tmp_path / "adapter"
+    shutil.copytree(llama_run / "adapter", adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=match) as error:
+        load_model_with_adapter(llama_run.parents[1] / "base", adapter)
+    assert str(adapter / "adapter_config.json") in str(error.value) and not calls
