@@ -95,7 +95,7 @@ def test_generate_recipe_answers_the_held_out_prompts(trained):
     assert "tokens/s" in result.stdout and "peak_rss" in result.stdout
     records = [json.loads(line) for line in answers.read_text().splitlines()]
     cfg = OmegaConf.load(CONFIGS / "tiny" / "generation.yaml")
-    assert [r["prompt"] for r in records] == list(cfg.prompt)
+    assert [r["prompt"] for r in records] == list(cfg.prompts)
     # the same answers in-process, from the public loader and generator
     model = load_model_with_adapter(tmp / "base", adapter, model=cfg.model, dtype="fp32")
     generator = Generator(model, tiny_tokenizer(), torch.float32, torch.device("cpu"))
@@ -115,7 +115,7 @@ def test_tune_ext_generate_with_a_prompts_file_and_a_dry_run(trained, capsys):
     overrides = [
         f"checkpointer.checkpoint_dir={tmp / 'base'}",
         f"adapter_dir={tmp / 'out' / f'step_{STEPS}' / 'adapter'}",
-        "prompt=null",
+        "prompts=null",
         f"prompts_file={prompts}",
         f"answers_file={tmp / 'cli.jsonl'}",
         "temperature=0.8",
@@ -128,6 +128,10 @@ def test_tune_ext_generate_with_a_prompts_file_and_a_dry_run(trained, capsys):
     assert (tmp / "cli.jsonl").read_text() == first  # seeded sampling
     main(["generate", "--config", str(CONFIGS / "tiny" / "generation.yaml"), "dry_run=True", "max_seq_len=256"])
     assert "KV cache at 256 tokens" in capsys.readouterr().out
+    # a command-line prompt with ": " (YAML reads a mapping) is the prompt's text; it replaces the default prompts
+    main(["generate", "--config", str(CONFIGS / "tiny" / "generation.yaml"), *overrides[:2], "prompt=Reverse: abcd"])
+    out = capsys.readouterr().out
+    assert ">>> Reverse: abcd" in out and "1 answer(s)" in out
 
 
 def test_missing_adapter_fails_before_loading_naming_it(trained):

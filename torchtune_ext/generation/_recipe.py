@@ -72,7 +72,8 @@ class GenerationRecipe:
     """Generation with the model as it trained; every setting is checked in ``__init__``, before any weight loads.
 
     Config keys: ``model``, ``tokenizer``, ``checkpointer`` (as in the training config), ``adapter_dir`` (null: the
-    base alone), ``dtype``, ``device``; prompts: ``prompt`` (a string or a list) and/or ``prompts_file`` (JSONL),
+    base alone), ``dtype``, ``device``; prompts: ``prompt`` (a string or a list; replaces the default list
+    ``prompts``) and/or ``prompts_file`` (JSONL),
     ``chat`` (apply the tokenizer's chat template to string prompts), ``answers_file`` (JSONL out, optional);
     sampling: ``max_new_tokens``, ``temperature`` (0: greedy), ``top_k``, ``top_p``, ``seed``, ``stop`` (strings),
     ``use_cache``, ``max_seq_len``.
@@ -101,9 +102,11 @@ class GenerationRecipe:
         )
         self._chat = bool(cfg.get("chat", True))
         self._max_seq_len = cfg.get("max_seq_len", None)
+        # `prompt` (the command line's: a string or a list) replaces the config's default `prompts` (a list)
         prompt = cfg.get("prompt", None)
+        prompt = cfg.get("prompts", None) if prompt is None else prompt
         prompts = list(prompt) if isinstance(prompt, (list, ListConfig)) else ([prompt] if prompt else [])
-        self.prompts: List[Any] = [OmegaConf.to_container(p) if isinstance(p, ListConfig) else p for p in prompts]
+        self.prompts: List[Any] = [_prompt_text(p) for p in prompts]
         if cfg.get("prompts_file", None):
             self.prompts += read_prompts(cfg.prompts_file)
         self._answers_file = cfg.get("answers_file", None)
@@ -210,6 +213,20 @@ class GenerationRecipe:
         )
         print(report, flush=True)
         return report
+
+
+def _prompt_text(prompt: Any) -> Any:
+    """A prompt from the config: a string, chat messages, or a string that YAML read as a one-key mapping (the
+    command line's ``prompt=Reverse: abc`` is ``{"Reverse": "abc"}`` to OmegaConf), turned back into its text."""
+    if isinstance(prompt, DictConfig) and len(prompt) == 1:
+        ((key, value),) = prompt.items()
+        if not isinstance(value, (DictConfig, ListConfig)):
+            return f"{key}: {value}"
+    if isinstance(prompt, (DictConfig, ListConfig)):
+        prompt = OmegaConf.to_container(prompt)
+    if not isinstance(prompt, (str, list)):
+        raise ValueError(f"prompt={prompt!r}: a prompt is a string or a list of chat messages.")
+    return prompt
 
 
 def _write_jsonl(path: Path, records: List[Dict[str, Any]]) -> None:
