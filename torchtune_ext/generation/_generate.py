@@ -3,6 +3,7 @@ EOS or stop strings; prompts as text or chat messages (the tokenizer's chat temp
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -189,14 +190,15 @@ class Generator:
         start = time.perf_counter()
         new: List[int] = []
         reason = "max_new_tokens" if budget == settings.max_new_tokens else "max_seq_len"
-        for token in self._decode(list(prompt_tokens), budget, settings, generator):
-            if token in self.stop_ids and not settings.ignore_eos:
-                reason = "eos"
-                break
-            new.append(token)
-            if settings.stop and any(s in self.decode(new) for s in settings.stop):
-                reason = "stop_string"
-                break
+        with contextlib.closing(self._decode(list(prompt_tokens), budget, settings, generator)) as tokens:
+            for token in tokens:  # closing: the KV caches go as soon as decoding stops
+                if token in self.stop_ids and not settings.ignore_eos:
+                    reason = "eos"
+                    break
+                new.append(token)
+                if settings.stop and any(s in self.decode(new) for s in settings.stop):
+                    reason = "stop_string"
+                    break
         text = self.decode(new)
         if reason == "stop_string":
             text = text[: min(text.find(s) for s in settings.stop if s in text)]
