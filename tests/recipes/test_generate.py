@@ -177,3 +177,13 @@ def test_generation_config_matches_its_training_config(name):
     assert cfg.tokenizer.path == train_cfg.tokenizer.path
     model = tt_config.instantiate(cfg.model, dtype=torch.bfloat16, adapter_dtype=torch.bfloat16, device="meta")
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_tune_ext_merge_equals_the_recipe_s_merged_folder(trained):
+    """`tune-ext merge` of a real run's adapter onto its base: the run's merged/ folder, byte for byte."""
+    tmp, _ = trained
+    step = tmp / "out" / f"step_{STEPS}"
+    base = tmp / "base"
+    main(["merge", "--base", str(base), "--adapter", str(step / "adapter"), "--output", str(tmp / "merged")])
+    files = lambda folder: {p.name: p.read_bytes() for p in sorted(folder.iterdir())}  # noqa: E731
+    assert files(tmp / "merged") == files(step / "merged")
