@@ -575,6 +575,7 @@ def test_fp32_keeps_a_16_bit_checkpoints_frozen_weights_in_16_bit(workdir):
         "max_steps_per_epoch=3",
         "batch_size=4",
         "run_val_every_n_steps=null",
+        "merged_dtype=fp32",  # [issue 18] the default is the checkpoint's bf16; compare the fp32 merges
     ]
     default, full = workdir / "frozen_default", workdir / "frozen_fp32"
     log = tune_run(f"output_dir={default}", *common).stderr
