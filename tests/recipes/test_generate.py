@@ -187,3 +187,26 @@ def test_tune_ext_merge_equals_the_recipe_s_merged_folder(trained):
     main(["merge", "--base", str(base), "--adapter", str(step / "adapter"), "--output", str(tmp / "merged")])
     files = lambda folder: {p.name: p.read_bytes() for p in sorted(folder.iterdir())}  # noqa: E731
     assert files(tmp / "merged") == files(step / "merged")
+
+
+def test_chat_keeps_the_conversation_and_resets(trained, capsys):
+    import io
+
+    from torchtune_ext.generation import GenerationRecipe
+
+    tmp, _ = trained
+    cfg = OmegaConf.merge(
+        OmegaConf.load(CONFIGS / "tiny" / "generation.yaml"),
+        OmegaConf.from_dotlist(
+            [f"checkpointer.checkpoint_dir={tmp / 'base'}", f"adapter_dir={tmp / 'out' / f'step_{STEPS}' / 'adapter'}"]
+        ),
+    )
+    recipe = GenerationRecipe(cfg)
+    recipe.setup(cfg)
+    prompts = []
+    answer = recipe.answer
+    recipe.answer = lambda prompt: prompts.append([dict(m) for m in prompt]) or answer(prompt)
+    recipe.chat(io.StringIO("Reverse: abc\nUppercase: ab\n/reset\nCount the letters: abc\n\n"))
+    assert [[m["role"] for m in p] for p in prompts] == [["user"], ["user", "assistant", "user"], ["user"]]
+    assert prompts[1][2]["content"] == "Uppercase: ab" and prompts[2][0]["content"] == "Count the letters: abc"
+    assert capsys.readouterr().out.count("model> ") == 3
