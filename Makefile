@@ -1,5 +1,6 @@
 # Two commands for a fresh machine (each sets itself up):
-#   make demo   - fine-tune the embedded tiny default (no downloads) and print where the outputs are
+#   make demo   - fine-tune the embedded tiny default (no downloads), print where the outputs are, and answer two
+#                 held-out prompts with the trained model (NF4 base + adapter)
 #   make test   - .ci/run: set-up, lint + the whole test suite (unit, recipe integration, 2-process distributed)
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,6 +21,7 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
+	$(VENV)/bin/tune run recipes/generate.py --config configs/tiny/generation.yaml
 
 # The same install as .ci/run, which `make test` runs (CI runs it too).
 test:

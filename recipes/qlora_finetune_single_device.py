@@ -32,7 +32,8 @@ count, LR schedule and logging), with these differences:
   for ``resume_from_checkpoint=True`` (optimizer, loss scaler, LR scheduler, data loader position, RNG states,
   step), which also allows resuming mid-epoch. Every write is atomic. Saved dtypes: adapters in their param dtype
   (fp32 for dtype=fp32 and dtype=fp16, bf16 for dtype=bf16 unless ``adapter_dtype=fp32``), the merged model in
-  ``dtype``.
+  ``merged_dtype`` (fp32, bf16, fp16; default: the base checkpoint's own dtype, so an fp32 run on a 16-bit
+  checkpoint exports a 16-bit model). See docs/use-what-you-trained.md (generate, ``tune-ext merge``).
 - Logs every step: loss, lr, tokens/s, grad norm, (fp16) loss scale and skipped steps, memory (CUDA peak
   allocated / reserved / active; the process's peak RSS); TensorBoard by default; a tqdm bar; optional
   validation loss every ``run_val_every_n_steps`` on ``dataset_val``.

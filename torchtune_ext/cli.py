@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 
 from torchtune._cli.run import Run
 
+from torchtune_ext import _use_cli
 from torchtune_ext._shipped import config_files, recipe_files, recipe_of
 from torchtune_ext.config import exit_on_config_error
 
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     Returns:
         argparse.ArgumentParser: the ``tune-ext`` parser (subcommands ``ls``, ``cp``, ``run``, ``validate``,
-        ``cat``).
+        ``cat``, ``generate``, ``chat``, ``merge``).
     """
     parser = argparse.ArgumentParser(
         prog="tune-ext", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     cat = subparsers.add_parser("cat", help="Print a shipped config.")
     cat.add_argument("config", help="a config name from `tune-ext ls`")
     cat.set_defaults(func=_cat)
+    _use_cli.add_subcommands(subparsers, lambda name: _resolve(name, config_files(), "config"))  # [issue 18]
     return parser
 
 

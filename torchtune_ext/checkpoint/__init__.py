@@ -2,6 +2,12 @@
 HF models and resumable recipe state, atomically; one run per output folder (a lock); random-weight HF checkpoints
 of real shapes for tests and benchmarks."""
 
+from torchtune_ext.checkpoint._adapter import (
+    PeftAdapter,
+    check_adapter_fits,
+    read_adapter_state,
+    read_peft_adapter,
+)
 from torchtune_ext.checkpoint._atomic import atomic_directory, atomic_save, check_writable, remove_stale_temporaries
 from torchtune_ext.checkpoint._checkpointer import (
     ADAPTER_DIRNAME,
@@ -53,10 +59,12 @@ __all__ = [
     "HFConverter",
     "OutputDirInUseError",
     "OutputDirLock",
+    "PeftAdapter",
     "atomic_directory",
     "atomic_save",
     "check_checkpoint_matches",
     "check_output_dir",
+    "check_adapter_fits",
     "check_writable",
     "check_writable_folders",
     "claim_output_dir",
@@ -68,7 +76,9 @@ __all__ = [
     "plain_rng_state",
     "previous_path",
     "qwen2_hf_config",
+    "read_adapter_state",
     "read_hf_config",
+    "read_peft_adapter",
     "remove_stale_temporaries",
     "resolve_checkpoint_files",
     "write_random_hf_checkpoint",

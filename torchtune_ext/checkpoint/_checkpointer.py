@@ -11,7 +11,7 @@ weights kept packed):
 - ``step_{N}/adapter/``: ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT format, for
   ``peft.PeftModel.from_pretrained(base, path)``), adapter tensors in their param dtype.
 - ``step_{N}/merged/``: the merged model, ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` +
-  ``config.json`` (+ the base folder's tokenizer files), in the compute dtype; its config names that dtype under
+  ``config.json`` (+ the base folder's tokenizer files), in the ``dtype`` asked for; its config names it under
   both keys transformers reads (``dtype``: 5.x, ``torch_dtype``: 4.x). No ``adapter_*`` files here: transformers
   would apply them on top of already merged weights. ``merge_base="nf4"`` (default, as torchtune) merges onto the
   NF4-dequantized base, i.e. exactly the trained model; ``"original"`` onto the checkpoint's own weights, read
@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -349,21 +349,33 @@ class QLoRAHFCheckpointer:
         merged = get_merged_lora_ckpt(sub, rank=adapter_config["rank"], alpha=adapter_config["alpha"])
         return merged[key].to(dtype)
 
-    def _write_merged(
+    def write_merged(
         self,
-        state: Dict[str, torch.Tensor],
+        state: Mapping[str, torch.Tensor],
         folder: Path,
         dtype: torch.dtype,
         adapter_config: Dict[str, Any],
         base: str,
+        shapes: Optional[Dict[str, torch.Size]] = None,  # [issue 18] a lazy state (tune-ext merge) gives its shapes
     ) -> None:
+        """Writes the merged model (shards, index, config.json, the base's other files) into ``folder``, one tensor
+        at a time, each read from ``state`` when its turn comes.
+
+        Args:
+            state (Mapping[str, torch.Tensor]): torchtune keys -> base weights (NF4 or dense) and adapters.
+            folder (Path): an existing, empty folder.
+            dtype (torch.dtype): the merged tensors' dtype.
+            adapter_config (Dict[str, Any]): ``rank`` and ``alpha`` at least.
+            base (str): ``merge_base``.
+            shapes (Optional[Dict[str, torch.Size]]): every base key's shape; None: from ``state``'s tensors.
+        """
         converter = self.converter
         keys = {}
         specs = []
-        for key, tensor in state.items():
+        for key, shape in (shapes or {k: v.shape for k, v in state.items()}).items():
             if is_adapter_key(key):
                 continue
-            hf_key, hf_meta = converter.to_hf(key, torch.empty(tensor.shape, device="meta"))
+            hf_key, hf_meta = converter.to_hf(key, torch.empty(shape, device="meta"))
             keys[hf_key] = key
             specs.append(_safetensors.TensorSpec(hf_key, hf_meta.shape, dtype))
         shards = _safetensors.plan_shards(specs, self.max_shard_bytes)
@@ -452,7 +464,7 @@ class QLoRAHFCheckpointer:
         """
         final = self.output_dir / f"step_{step}" / MERGED_DIRNAME
         with atomic_directory(final) as tmp:
-            self._write_merged(state_dict, tmp, dtype, adapter_config, merge_base)
+            self.write_merged(state_dict, tmp, dtype, adapter_config, merge_base)
         return final
 
     def merged_nbytes(self, state_dict: Dict[str, torch.Tensor], dtype: torch.dtype) -> int:

@@ -94,6 +94,7 @@ class HFConverter:
         self.tie_word_embeddings = tie_word_embeddings
         from_hf = convert_weights._FROM_HF if self.permutes_qk else _QWEN2_FROM_HF
         self._tune_to_hf_keys = {tune: hf for hf, tune in from_hf.items() if tune is not None}
+        self._hf_to_tune_keys = from_hf
 
     @classmethod
     def for_model(cls, model_type: str, model: nn.Module) -> HFConverter:
@@ -173,6 +174,39 @@ class HFConverter:
             value = value if suffix == ".lora_b.weight" else value.squeeze(-1)
         hf_key = convert_weights.get_mapped_key(base_key, self._tune_to_hf_keys)
         return "base_model.model." + hf_key[: -len(".weight")] + _ADAPTER_SUFFIXES[suffix], value
+
+    def from_peft(self, peft_key: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
+        """Converts one PEFT adapter tensor to its torchtune key and layout: the inverse of :meth:`to_peft`
+        (works on meta tensors, to check shapes from a file's header).
+
+        Args:
+            peft_key (str): e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight``.
+            tensor (torch.Tensor): the adapter tensor.
+
+        Returns:
+            Tuple[str, torch.Tensor]: e.g. ``layers.0.attn.q_proj.lora_b.weight``.
+
+        Raises:
+            ValueError: on a key that is not a LoRA/DoRA tensor of a decoder weight.
+        """
+        key = peft_key.removeprefix("base_model.model.")
+        key = key.removesuffix(".weight") if key.endswith(".lora_magnitude_vector.weight") else key
+        match = next(((t, p) for t, p in _ADAPTER_SUFFIXES.items() if key.endswith(p)), None)
+        if match is None:
+            raise ValueError(f"{peft_key!r} is not a LoRA/DoRA tensor (lora_A, lora_B, lora_magnitude_vector).")
+        tune_suffix, peft_suffix = match
+        hf_base = key[: -len(peft_suffix)] + ".weight"
+        try:
+            base_key = convert_weights.get_mapped_key(hf_base, self._hf_to_tune_keys)
+        except Exception as err:  # torchtune raises a bare Exception on an unknown key
+            raise ValueError(f"{peft_key!r} adapts {hf_base!r}, which the torchtune model does not have.") from err
+        value = tensor
+        if tune_suffix != ".lora_a.weight" and self.permutes_qk and (".q_proj." in hf_base or ".k_proj." in hf_base):
+            rows = tensor if tune_suffix == ".lora_b.weight" else tensor.unsqueeze(-1)
+            converted = convert_weights.hf_to_tune({hf_base: rows}, **self._kwargs(dim=rows.shape[-1]))
+            value = next(iter(converted.values()))
+            value = value if tune_suffix == ".lora_b.weight" else value.squeeze(-1)
+        return base_key[: -len(".weight")] + tune_suffix, value
 
 
 def peft_adapter_config(

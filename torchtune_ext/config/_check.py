@@ -33,7 +33,8 @@ RECIPE_KEYS = frozenset(
         "model", "tokenizer", "checkpointer", "dataset", "dataset_val", "optimizer", "lr_scheduler", "loss",
         "metric_logger", "generate_base_checkpoint", "collate_fn",
         # run
-        "output_dir", "overwrite_output_dir", "device", "dtype", "adapter_dtype", "frozen_dtype", "seed", "shuffle", "cudnn_deterministic_mode",
+        "output_dir", "overwrite_output_dir", "device", "dtype", "merged_dtype", "adapter_dtype", "frozen_dtype",
+        "seed", "shuffle", "cudnn_deterministic_mode",
         "batch_size", "global_batch_size", "gradient_accumulation_steps", "clip_grad_norm", "epochs",
         "max_steps_per_epoch", "stop_after_step", "log_every_n_steps", "save_every_n_steps", "run_val_every_n_steps",
         "max_validation_steps", "resume_from_checkpoint", "save_adapter_weights_only", "merge_base", "compile",

@@ -8,7 +8,7 @@ from torchtune_ext.data._tiny import (
     tiny_tokenizer,
     train_tiny_tokenizer,
 )
-from torchtune_ext.data._tiny_checkpoint import write_tiny_checkpoint
+from torchtune_ext.data._tiny_checkpoint import write_tiny_checkpoint, write_tiny_tokenizer_files
 
 __all__ = [
     "TINY_TOKENIZER_PATH",
@@ -18,4 +18,5 @@ __all__ = [
     "tiny_tokenizer",
     "train_tiny_tokenizer",
     "write_tiny_checkpoint",
+    "write_tiny_tokenizer_files",
 ]

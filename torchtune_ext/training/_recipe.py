@@ -105,6 +105,7 @@ from torchtune_ext.training._settings import (
     build_dataset,
     build_qlora_model,
     build_tokenizer,
+    dtype_or_checkpoints,
     frozen_weights_dtype,
     parse_vocab_pruning,
     positive_int,
@@ -113,6 +114,7 @@ from torchtune_ext.training._settings import (
     set_rng_state,
     shifted_labels,
 )
+from torchtune_ext.training._validation import ValidationHistory
 
 log = utils.get_logger("INFO")
 
@@ -241,6 +243,7 @@ class QLoRARecipe(FTRecipeInterface):
         self.global_step = 0
         self._steps_in_epoch_done = 0
         self.loss_history = []
+        self._val_history = ValidationHistory()  # [issue 18] validation loss on the console and in the summary
         self._train_tokens = 0.0
         self._train_seconds = 0.0
 
@@ -313,6 +316,8 @@ class QLoRARecipe(FTRecipeInterface):
         self._frozen_dtype = frozen_weights_dtype(
             cfg.get("frozen_dtype", None), self._dtype, self._checkpointer.hf_config
         )
+        # [issue 18] merged_dtype: the merged export's dtype (default: the base checkpoint's)
+        self._merged_dtype = dtype_or_checkpoints(cfg.get("merged_dtype", None), self._checkpointer.hf_config)
         self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
         self._checkpointer.validate(self._model, builder=cfg.model.get("_component_"))  # [issue 24] names the builder
         self._tokenizer = build_tokenizer(cfg.tokenizer)
@@ -760,6 +765,7 @@ class QLoRARecipe(FTRecipeInterface):
                     val_loss = self._validate()
                     if self._is_rank_zero:
                         self._metric_logger.log_dict({"val_loss": val_loss}, step=self.global_step)
+                        self._val_history.add(self.global_step, val_loss)  # [issue 18]
 
                 mid_epoch = self._steps_in_epoch_done < self._steps_per_epoch
                 if mid_epoch and self._interrupt.requested():  # [issue 17] a signal: save this step and exit
@@ -900,7 +906,7 @@ class QLoRARecipe(FTRecipeInterface):
                     self._exportable(state),
                     self.global_step,
                     self._lora.adapter_config(self._pruning),
-                    self._dtype,
+                    self._merged_dtype,  # [issue 18] merged_dtype
                     self._merge_base,
                 )
             log.info(f"Checkpoint saved to {self._last_checkpoint} in {time.perf_counter() - start:.1f} s.")
@@ -1054,6 +1060,7 @@ class QLoRARecipe(FTRecipeInterface):
                 f"  loss: {self.loss_history[0]:.4f} (step {self._first_step_of_run}) -> "
                 f"{self.loss_history[-1]:.4f} (step {self.global_step})"
             )
+        lines += self._val_history.summary_lines()  # [issue 18]
         lines.append(f"  peak memory:         {_peak_memory_line(memory)}")
         lines += self._guard.summary()  # [issue 24] fp16: skipped steps
         if self._train_seconds > 0:

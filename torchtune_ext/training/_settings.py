@@ -173,6 +173,23 @@ def frozen_weights_dtype(
     return stored if dtype == torch.float32 and stored in (torch.bfloat16, torch.float16) else dtype
 
 
+def dtype_or_checkpoints(name: Optional[str], hf_config: Dict[str, Any], what: str = "merged_dtype") -> torch.dtype:
+    """``merged_dtype`` (the merged export's dtype; [issue 18]): the named dtype, or by default the base
+    checkpoint's own, so that an fp32 run on a 16-bit checkpoint exports a 16-bit model.
+
+    Args:
+        name (Optional[str]): fp32, bf16, fp16 or None.
+        hf_config (Dict[str, Any]): the base checkpoint's ``config.json`` (bf16 if it names no dtype).
+        what (str): the config key, for errors.
+
+    Returns:
+        torch.dtype: the dtype.
+    """
+    if name is not None:
+        return parse_dtype(name, what=what)
+    return parse_dtype(hf_config.get("dtype") or hf_config.get("torch_dtype") or "bf16", what="config.json dtype")
+
+
 def build_qlora_model(
     cfg_model: DictConfig, dtype: torch.dtype, adapter_dtype: torch.dtype, frozen_dtype: Optional[torch.dtype] = None
 ) -> nn.Module:

@@ -1,0 +1,35 @@
+"""Generation with the model as it trained: the base checkpoint streamed into NF4 plus the run's PEFT LoRA adapter
+(or one that PEFT or Unsloth wrote for a supported model), in fp32, fp16 or bf16, with KV caches::
+
+    tune run recipes/generate.py --config configs/tiny/generation.yaml
+    tune run recipes/generate.py --config configs/llama3_2/1B_generation.yaml adapter_dir=<run>/step_N/adapter \
+        prompt="Write a haiku about GPUs" temperature=0.7 top_p=0.9 seed=0
+    tune-ext generate --config tiny/generation prompts_file=prompts.jsonl answers_file=answers.jsonl
+    tune-ext chat --config tiny/generation
+
+Greedy (``temperature=0``, the default) or sampled (``temperature``, ``top_k``, ``top_p``, ``seed``) decoding for
+``max_new_tokens`` at most, stopping at EOS or at one of ``stop`` (strings; the answer is cut before them). String
+prompts go through the tokenizer's chat template (``chat=True``, default) or are encoded as they are
+(``chat=False``); a JSONL ``prompts_file`` holds ``{"prompt": ...}`` or ``{"messages": [...]}`` per line and
+``answers_file`` gets one record per prompt. Prints tokens/s and the peak memory. ``dry_run=True`` prints the
+weights' and the KV caches' memory at the longest length without loading anything. A missing or mismatched adapter
+(rank, alpha, target modules, another base model's shapes) fails before any weight is read, naming the file.
+"""
+
+import sys
+
+from omegaconf import DictConfig
+from torchtune import config
+
+from torchtune_ext.generation import run_generation
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: ``tune run recipes/generate.py --config <yaml> [key=value ...]``."""
+    config.log_config(recipe_name="GenerationRecipe", cfg=cfg)
+    run_generation(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
