@@ -46,7 +46,13 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from torchtune_ext._dtype import parse_dtype
-from torchtune_ext.checkpoint import MERGE_BASES, QLoRAHFCheckpointer, load_base_, read_hf_config
+from torchtune_ext.checkpoint import (
+    MERGE_BASES,
+    RECIPE_STATE_DIRNAME,
+    QLoRAHFCheckpointer,
+    load_base_,
+    read_hf_config,
+)
 from torchtune_ext.distributed import (
     all_reduce_grads,
     all_reduce_sum,
@@ -62,7 +68,15 @@ from torchtune_ext.memory import GIB, DeviceAllowance, MemoryEstimator, Offloade
 from torchtune_ext.models import check_adapter_state, init_adapters_
 from torchtune_ext.modules.loss import LinearCrossEntropyLoss
 from torchtune_ext.modules.transformer import tile_mlp_
-from torchtune_ext.modules.vocab_pruning import VocabPruning, export_full_vocab_state_dict, prune_vocab_
+from torchtune_ext.modules.vocab_pruning import (
+    KEPT_IDS_FILENAME,
+    VocabPruning,
+    export_full_vocab_state_dict,
+    parse_vocab_pruning,
+    prune_vocab_,
+    resolve_kept_ids,
+    save_scanned_kept_ids,
+)
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
 from torchtune_ext.training._metrics import Throughput, format_memory_stats, gather_memory_stats, memory_stats
 from torchtune_ext.training._precision import (
@@ -77,9 +91,7 @@ from torchtune_ext.training._settings import (
     build_qlora_model,
     build_tokenizer,
     frozen_weights_dtype,
-    parse_vocab_pruning,
     positive_int,
-    resolve_kept_ids,
     rng_state,
     set_rng_state,
     shifted_labels,
@@ -237,6 +249,7 @@ class QLoRARecipe(FTRecipeInterface):
 
         # From here on, outputs are written.
         self._start_writing(cfg)
+        self._save_scanned_kept_ids(dataset, val_dataset)  # [issue 25] a resume reuses the kept-id pass
 
         self._load_model(state)
         self._optimizer = config.instantiate(cfg.optimizer, self._trainable_params)
@@ -317,12 +330,25 @@ class QLoRARecipe(FTRecipeInterface):
             )
 
     def _resolve_kept_ids(self, dataset: Any, val_dataset: Optional[Any]) -> None:
-        """Vocab pruning: the kept token ids (a file, else the ids the data uses); every rank computes the same."""
+        """Vocab pruning: the kept token ids (a file, else the ids the data uses: one pass shared by the ranks, or
+        the pass a resumed run saved); every rank gets the same."""
         vocab_size = self._model.tok_embeddings.num_embeddings
+        scanned = self._checkpointer.recipe_checkpoint.parent / KEPT_IDS_FILENAME
         self._kept_ids = resolve_kept_ids(
-            self._vocab_pruning_cfg["kept_ids"], vocab_size, self._tokenizer, [dataset, val_dataset]
+            self._vocab_pruning_cfg["kept_ids"],
+            vocab_size,
+            self._tokenizer,
+            [dataset, val_dataset],
+            scanned=scanned if self._resume_from_checkpoint else None,  # [issue 25]
         )
         self._info(f"Vocab pruning: keeping {len(self._kept_ids)} of {vocab_size} token ids.")
+
+    def _save_scanned_kept_ids(self, dataset: Any, val_dataset: Optional[Any]) -> None:
+        """Rank 0 writes the kept ids the data pass found next to the recipe state, for a resume."""
+        if self._kept_ids is not None and self._vocab_pruning_cfg["kept_ids"] is None and self._is_rank_zero:
+            path = self._checkpointer.output_dir / RECIPE_STATE_DIRNAME / KEPT_IDS_FILENAME
+            vocab_size = self._model.tok_embeddings.num_embeddings
+            save_scanned_kept_ids(path, self._kept_ids, vocab_size, [dataset, val_dataset])
 
     def _check_recipe_state(self, state: Dict[str, Any]) -> None:
         """Checks a resumed recipe state against this run (adapter shapes, dtype, kept ids) and takes its seed and
