@@ -23,8 +23,26 @@ from torchtune_ext.checkpoint._hf import (
 )
 from torchtune_ext.checkpoint._load import LOAD_CHUNK_BYTES, load_base_
 from torchtune_ext.checkpoint._random import write_random_hf_checkpoint
+from torchtune_ext.checkpoint._retention import (
+    DEFAULT_KEEP_LAST_N,
+    DiskPlan,
+    count_saves,
+    merge_at_epoch_end,
+    parse_keep_last_n,
+    plan_disk,
+    remove_old_checkpoints,
+    step_folders,
+)
 
 __all__ = [
+    "DEFAULT_KEEP_LAST_N",
+    "DiskPlan",
+    "count_saves",
+    "merge_at_epoch_end",
+    "parse_keep_last_n",
+    "plan_disk",
+    "remove_old_checkpoints",
+    "step_folders",
     "ADAPTER_DIRNAME",
     "LOAD_CHUNK_BYTES",
     "MERGED_DIRNAME",

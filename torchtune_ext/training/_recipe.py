@@ -47,11 +47,18 @@ from tqdm import tqdm
 
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import (
+    DEFAULT_KEEP_LAST_N,
     MERGE_BASES,
     RECIPE_STATE_DIRNAME,
+    DiskPlan,
     QLoRAHFCheckpointer,
+    count_saves,
     load_base_,
+    merge_at_epoch_end,
+    parse_keep_last_n,
+    plan_disk,
     read_hf_config,
+    remove_old_checkpoints,
 )
 from torchtune_ext.distributed import (
     all_reduce_grads,
@@ -76,6 +83,7 @@ from torchtune_ext.modules.vocab_pruning import (
     prune_vocab_,
     resolve_kept_ids,
     save_scanned_kept_ids,
+    scan_estimate_line,
 )
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
 from torchtune_ext.training._metrics import Throughput, format_memory_stats, gather_memory_stats, memory_stats
@@ -195,6 +203,8 @@ class QLoRARecipe(FTRecipeInterface):
         self._max_validation_steps = positive_int(cfg, "max_validation_steps", None)
         self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
         self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
+        self._keep_last_n = parse_keep_last_n(cfg.get("keep_last_n_checkpoints", DEFAULT_KEEP_LAST_N))  # [issue 25]
+        self._merge_every_epoch = bool(cfg.get("merge_every_epoch", False))  # [issue 25]
         self._merge_base = cfg.get("merge_base", "nf4")
         if self._merge_base not in MERGE_BASES:
             raise ValueError(
@@ -250,6 +260,7 @@ class QLoRARecipe(FTRecipeInterface):
         # From here on, outputs are written.
         self._start_writing(cfg)
         self._save_scanned_kept_ids(dataset, val_dataset)  # [issue 25] a resume reuses the kept-id pass
+        self._info(self._disk_plan(self._model, self._checkpointer.output_dir, len(dataset)).format())  # [issue 25]
 
         self._load_model(state)
         self._optimizer = config.instantiate(cfg.optimizer, self._trainable_params)
@@ -737,7 +748,10 @@ class QLoRARecipe(FTRecipeInterface):
             pbar.close()
             self.epochs_run += 1
             self._steps_in_epoch_done = 0
-            self.save_checkpoint(end_of_epoch=True)
+            # [issue 25] the merged model once, at the end (or every epoch with merge_every_epoch)
+            self.save_checkpoint(
+                end_of_epoch=True, full=merge_at_epoch_end(self.epochs_run, self.total_epochs, self._merge_every_epoch)
+            )
             if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
                 return
 
@@ -812,10 +826,29 @@ class QLoRARecipe(FTRecipeInterface):
                 "rng_per_rank": rng,
             }
             self._checkpointer.save_recipe_state(recipe_state)
+            # [issue 25] bounded disk: older step folders go once this one is complete
+            remove_old_checkpoints(self._checkpointer.output_dir, self._keep_last_n, self._last_checkpoint)
             log.info(f"Checkpoint saved to {self._last_checkpoint} in {time.perf_counter() - start:.1f} s.")
         del state
         if dist.is_initialized():
             dist.barrier()
+
+    def _disk_plan(self, model: nn.Module, output_dir: str, num_rows: Optional[int]) -> DiskPlan:
+        """[issue 25] The disk this run will use (``model``: as built, unpruned; ``num_rows``: the training rows,
+        None: unknown, epoch-end saves only)."""
+        steps = self.max_steps_per_epoch or 0
+        if num_rows is not None:
+            steps = num_rows // (self._batch_size * self.world_size * self._gradient_accumulation_steps)
+            steps = min(steps, self.max_steps_per_epoch or steps)
+        return plan_disk(
+            model,
+            output_dir,
+            saves=count_saves(self.total_epochs, steps, self._save_every_n_steps if num_rows is not None else None),
+            keep_last_n=self._keep_last_n,
+            merged_dtype=None if self._save_adapter_weights_only else self._dtype,
+            epochs=self.total_epochs,
+            merge_every_epoch=self._merge_every_epoch,
+        )
 
     def _exportable(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """A full state dict under the unpruned model's keys and shapes (the trained rows written into the base's
@@ -917,6 +950,7 @@ class QLoRARecipe(FTRecipeInterface):
             f"loss {type(self._loss_fn).__name__}, "
             f"gradient_accumulation_steps={self._gradient_accumulation_steps}",
         ]
+        lines += self._dry_run_costs(cfg)  # [issue 25]
         if estimate.host_bytes:
             lines.append(f"  host memory the offloaded activations take: {estimate.host_bytes / GIB:.2f} GiB (pinned)")
         memory_gib = cfg.get("device_memory_gb", None)
@@ -932,6 +966,24 @@ class QLoRARecipe(FTRecipeInterface):
         report = "\n".join(lines)
         print(report, flush=True)
         return report
+
+    def _dry_run_costs(self, cfg: DictConfig) -> List[str]:
+        """[issue 25] The disk the run will use and, when vocab pruning scans the data, the pass's time (from a
+        measured sample of rows); the data set's size when the tokenizer and data can be read already."""
+        model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
+        lines, datasets = [], []
+        try:
+            tokenizer = build_tokenizer(cfg.tokenizer)
+            datasets = [build_dataset(cfg.dataset, tokenizer)]
+            if cfg.get("dataset_val", None) is not None:
+                datasets.append(build_dataset(cfg.dataset_val, tokenizer, "dataset_val"))
+        except (FileNotFoundError, RuntimeError) as err:
+            lines.append(f"  data not readable yet ({str(err)[:160]}): disk counts epoch-end saves only.")
+        num_rows = len(datasets[0]) if datasets else None
+        lines.append("  " + self._disk_plan(model, cfg.checkpointer.output_dir, num_rows).format())
+        vocab_size = model.tok_embeddings.num_embeddings
+        scan = scan_estimate_line(self._vocab_pruning_cfg, datasets, vocab_size, self.world_size) if datasets else None
+        return lines + ([scan] if scan else [])
 
     # ----------------------------------------------------------------------------------------------- the end
 
