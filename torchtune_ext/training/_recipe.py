@@ -74,6 +74,7 @@ from torchtune_ext.distributed import (
 from torchtune_ext.memory import GIB, DeviceAllowance, MemoryEstimator, OffloadedActivations
 from torchtune_ext.models import check_adapter_state, init_adapters_
 from torchtune_ext.modules.loss import LinearCrossEntropyLoss
+from torchtune_ext.modules.rope import share_rope_
 from torchtune_ext.modules.transformer import tile_mlp_
 from torchtune_ext.modules.vocab_pruning import (
     KEPT_IDS_FILENAME,
@@ -215,6 +216,7 @@ class QLoRARecipe(FTRecipeInterface):
         self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
         self._enable_activation_offloading = cfg.get("enable_activation_offloading", False)
         self._tiled_mlp_tokens = positive_int(cfg, "tiled_mlp_tokens", None)
+        self._rope_seq_len = cfg.get("tokenizer", {}).get("max_seq_len", None)  # [issue 25] RoPE cache length
         if not self._dry_run:
             check_activation_offloading(self._enable_activation_offloading, self._device)
         self._activation_offloading: ContextManager = contextlib.nullcontext()
@@ -459,6 +461,7 @@ class QLoRARecipe(FTRecipeInterface):
                 trainable=pruning_cfg["trainable"],
             )
         set_trainable_params(model, get_adapter_params(model))
+        share_rope_(model, self._rope_seq_len)  # [issue 25] one RoPE cache, sized for the run, grown on demand
         if self._tiled_mlp_tokens is not None:
             tile_mlp_(model, self._tiled_mlp_tokens)
         if self._enable_activation_checkpointing:
