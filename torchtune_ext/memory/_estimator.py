@@ -171,8 +171,8 @@ class MemoryEstimator:
                     stack.enter_context(self.fake_mode)
                 stack.enter_context(accelerator_code_path())
                 stack.enter_context(torch.enable_grad())
-                stack.enter_context(tracker)
                 share_rope_(self.model, seq_len)  # the one RoPE cache of a run padded to seq_len (issue 25)
+                stack.enter_context(tracker)
                 _register_model(tracker, self.model)
                 optimizer = self.optimizer_factory(self.model)
                 if self.warm_start:
