@@ -108,7 +108,8 @@ def _start(recipe: str, out: Path, base: Path, steps: int, run_name: str, extra:
 
 
 def _uninterrupted(recipe: str, out: Path, base: Path, steps: int, nproc: int) -> Dict[int, float]:
-    check_ok(_start(recipe, out, base, steps, "run0", [], nproc))
+    # Every step folder kept, to compare with whichever the killed runs keep (their default: the newest 2).
+    check_ok(_start(recipe, out, base, steps, "run0", ["keep_last_n_checkpoints=null"], nproc))
     losses = logged(out / "logs" / "run0")
     assert sorted(losses) == list(range(1, steps + 1))
     return losses

@@ -39,10 +39,28 @@ from torchtune_ext.checkpoint._recipe_state import (
     plain_rng_state,
     previous_path,
 )
+from torchtune_ext.checkpoint._retention import (
+    DEFAULT_KEEP_LAST_N,
+    DiskPlan,
+    count_saves,
+    merge_at_epoch_end,
+    parse_keep_last_n,
+    plan_disk,
+    remove_old_checkpoints,
+    step_folders,
+)
 from torchtune_ext.checkpoint._validate import check_checkpoint_matches
 from torchtune_ext.checkpoint._writes import WriteError, check_writable_folders
 
 __all__ = [
+    "DEFAULT_KEEP_LAST_N",
+    "DiskPlan",
+    "count_saves",
+    "merge_at_epoch_end",
+    "parse_keep_last_n",
+    "plan_disk",
+    "remove_old_checkpoints",
+    "step_folders",
     "ADAPTER_DIRNAME",
     "DataPosition",
     "LOAD_CHUNK_BYTES",

@@ -10,10 +10,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtune_ext.checkpoint._checkpointer import QLoRAHFCheckpointer
-from torchtune_ext.distributed import load_full_state_dict, unwrap_key, world_info
+from torchtune_ext.distributed import FullStateDictLoader, world_info
 from torchtune_ext.modules.vocab_pruning import VocabPruning, is_vocab_key, prune_state_dict
 
-#: on several ranks, rank 0 reads the checkpoint in chunks of about this many bytes (one rank: a tensor at a time).
+#: rank 0 reads the checkpoint in chunks of about this many bytes (one rank or several alike).
 LOAD_CHUNK_BYTES = 1 << 30
 
 
@@ -25,11 +25,13 @@ def load_base_(
     *,
     pruning: Optional[VocabPruning] = None,
     sharded_device: Optional[torch.device] = None,
+    chunk_bytes: int = LOAD_CHUNK_BYTES,
 ) -> None:
     """Loads the base weights of ``checkpointer`` into ``model``; each rank quantizes only its own shard.
 
-    Rank 0 streams the checkpoint (one tensor at a time on one rank; chunks of about :data:`LOAD_CHUNK_BYTES` on
-    several, each tensor broadcast), so host memory stays near one chunk on rank 0 and one tensor elsewhere. NF4
+    Rank 0 streams the checkpoint in chunks of about ``chunk_bytes`` (each tensor broadcast on several ranks), so
+    host memory stays near one chunk on rank 0 and one tensor elsewhere; the model is walked once (a key ->
+    parameter map), so the time is linear in the model, the same code for one rank or many. NF4
     weights are quantized in the model's compute dtype as they arrive, bit for bit as ``to_nf4`` of the whole
     tensor. Collective: call it on every rank. Adapters, DoRA magnitudes and RoPE caches come after
     (:func:`torchtune_ext.models.init_adapters_`).
@@ -43,9 +45,10 @@ def load_base_(
             rows, in the pruning module's dtype.
         sharded_device (Optional[torch.device]): where sharded (DTensor) params go; the CPU under FSDP CPU offload
             (FSDP streams them to ``device``). None: ``device``.
+        chunk_bytes (int): bytes per chunk (0: one tensor per chunk). Default: :data:`LOAD_CHUNK_BYTES`.
     """
-    rank, world_size = world_info()
-    plan = checkpointer.chunk_plan(LOAD_CHUNK_BYTES if world_size > 1 else 0)
+    rank = world_info()[0]
+    plan = checkpointer.chunk_plan(chunk_bytes)
     chunks = checkpointer.read_base(plan) if rank == 0 else (None for _ in plan)
     load = _loader(model, device, sharded_device)
     vocab: Dict[str, torch.Tensor] = {}
@@ -61,14 +64,16 @@ def load_base_(
 
 
 def _loader(model: nn.Module, device: torch.device, sharded_device: Optional[torch.device]):
-    """``load(state)``: ``load_full_state_dict`` from rank 0, sharded params onto ``sharded_device``."""
+    """``load(state)``: a state dict from rank 0 into the model (walked once), sharded params on ``sharded_device``."""
+    loader = FullStateDictLoader(model, device=device, strict=False, broadcast_from_rank0=True)
     if sharded_device is None or sharded_device == device:
-        return lambda state: load_full_state_dict(model, state, device=device, strict=False, broadcast_from_rank0=True)
-    sharded = {unwrap_key(model, k) for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, DTensor)}
+        return loader.load
+    sharded_loader = FullStateDictLoader(model, device=sharded_device, strict=False, broadcast_from_rank0=True)
+    sharded = {key for key, entry in loader.entries.items() if isinstance(entry.value, DTensor)}
 
     def load(state: Optional[Dict[str, torch.Tensor]]) -> None:
-        for keep_sharded, target in ((True, sharded_device), (False, device)):
+        for keep_sharded, target in ((True, sharded_loader), (False, loader)):
             part = None if state is None else {k: v for k, v in state.items() if (k in sharded) == keep_sharded}
-            load_full_state_dict(model, part, device=target, strict=False, broadcast_from_rank0=True)
+            target.load(part)
 
     return load

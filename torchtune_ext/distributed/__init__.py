@@ -20,10 +20,11 @@ from torchtune_ext.distributed._parallelize import (
     shard_model,
 )
 from torchtune_ext.distributed._state_dict import get_full_state_dict, get_model_state_dict
-from torchtune_ext.distributed._state_dict_load import load_full_state_dict
+from torchtune_ext.distributed._state_dict_load import FullStateDictLoader, load_full_state_dict
 from torchtune_ext.distributed._utils import group_device, unwrap_key, world_info
 
 __all__ = [
+    "FullStateDictLoader",
     "VOCAB_PRUNING_SHARDING",
     "all_reduce_grads",
     "all_reduce_sum",

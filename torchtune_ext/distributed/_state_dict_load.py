@@ -93,18 +93,23 @@ def _check_keys(manifests: List[_Manifest], rank: int, strict: bool) -> Tuple[Li
     return mine
 
 
-def _sources(entries: Dict[str, Entry], state_dict_keys: List[str]) -> Dict[str, List[Entry]]:
+def _tie_groups(entries: Dict[str, Entry]) -> List[List[Entry]]:
+    """The model's entries grouped by the tensor they hold (tied weights share one group), in state-dict order."""
+    roots = tie_roots(entries)
+    groups: Dict[str, List[Entry]] = {}
+    for key, entry in entries.items():
+        groups.setdefault(roots.get(key, key), []).append(entry)
+    return list(groups.values())
+
+
+def _sources(groups: List[List[Entry]], state_dict_keys: List[str]) -> Dict[str, List[Entry]]:
     """For each state-dict key that feeds this rank's model: the entries it loads (every key of its tie group).
 
     A tie group loads from its first key present in the state dict.
     """
-    roots = tie_roots(entries)
-    group_members: Dict[str, List[Entry]] = {}
-    for key, entry in entries.items():
-        group_members.setdefault(roots.get(key, key), []).append(entry)
     present = set(state_dict_keys)
     sources = {}
-    for members in group_members.values():
+    for members in groups:
         source = next((e.key for e in members if e.key in present), None)
         if source is not None:
             sources[source] = members
@@ -212,6 +217,79 @@ def _receive(key: str, tensor: Optional[torch.Tensor], manifests: List[_Manifest
     return buf if rank in holders else None
 
 
+class FullStateDictLoader:
+    """Loads full state dicts of plain tensors into one (sharded, NF4-quantized or plain) model, any number of times:
+    the model is walked once (a key -> parameter map), so loading a checkpoint in chunks costs time linear in the
+    model. :func:`load_full_state_dict` is one such load; ``load_base_`` loads a checkpoint chunk by chunk.
+
+    Args:
+        model (nn.Module): the model (FSDP2-sharded or not; wrappers such as torch.compile are fine).
+        device (DeviceLike): see :func:`load_full_state_dict`.
+        strict (bool): see :func:`load_full_state_dict` (a chunk of a checkpoint: False).
+        broadcast_from_rank0 (bool): see :func:`load_full_state_dict`.
+    """
+
+    def __init__(
+        self, model: nn.Module, *, device: DeviceLike = None, strict: bool = True, broadcast_from_rank0: bool = False
+    ):
+        self.model = model
+        self.rank, self.world_size = world_info()
+        self.broadcast = broadcast_from_rank0 and self.world_size > 1
+        self.device = torch.device(device) if device is not None else None
+        self.strict = strict
+        self.entries = model_entries(model, unwrap=True)
+        self.raw_to_key = {e.raw_key: e.key for e in self.entries.values() if e.raw_key != e.key}
+        self.model_manifest = _model_manifest(self.entries)
+        self.groups = _tie_groups(self.entries)
+
+    @torch.no_grad()
+    def load(self, full_sd: Optional[Mapping[str, torch.Tensor]]) -> _IncompatibleKeys:
+        """Loads one full state dict (all of the model's keys, or with ``strict=False`` some of them).
+
+        Args:
+            full_sd (Optional[Mapping[str, torch.Tensor]]): the state dict (see :func:`load_full_state_dict`).
+
+        Returns:
+            _IncompatibleKeys: ``missing_keys`` and ``unexpected_keys`` of this rank (empty when ``strict``).
+        """
+        rank, broadcast = self.rank, self.broadcast
+        if full_sd is None and (rank == 0 or not broadcast):
+            raise ValueError(
+                "full_sd is None; every rank needs the state dict, or pass broadcast_from_rank0=True and the state "
+                "dict on rank 0."
+            )
+        mine = (
+            _normalize_keys(full_sd, self.raw_to_key) if full_sd is not None and (rank == 0 or not broadcast) else None
+        )
+        sd_meta = {k: (tuple(v.shape), v.dtype) for k, v in mine.items()} if mine is not None else None
+        manifest = _Manifest(self.model_manifest, sd_meta if (rank == 0 or not broadcast) else None, self.raw_to_key)
+        manifests: List[Any] = [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(manifests, manifest)
+        else:
+            manifests = [manifest]
+        missing, unexpected = _check_keys(manifests, rank, self.strict)
+
+        assign: Dict[str, torch.Tensor] = {}
+        if broadcast:
+            order = [k for k in manifests[0].state_dict if any(k in m.model for m in manifests)]
+            sources = _sources(self.groups, order)
+            # Every rank walks rank 0's keys in order; each key is sent once even if it feeds no tie group here.
+            for key in order:
+                full = _receive(key, mine.get(key) if mine is not None else None, manifests, rank)
+                if full is not None and key in sources:
+                    _load_one(full, sources[key], self.device, assign)
+        else:
+            for key, members in _sources(self.groups, list(mine)).items():
+                _load_one(mine[key], members, self.device, assign)
+        if assign:
+            result = self.model.load_state_dict(assign, strict=False, assign=True)
+            not_loaded = [k for k in assign if k in result.missing_keys or k in result.unexpected_keys]
+            if not_loaded:
+                raise RuntimeError(f"load_state_dict(assign=True) did not take keys {not_loaded}.")
+        return _IncompatibleKeys(missing, unexpected)
+
+
 @torch.no_grad()
 def load_full_state_dict(
     model: nn.Module,
@@ -262,41 +340,5 @@ def load_full_state_dict(
         >>> torch.equal(model.layers[0].attn.q_proj.lora_a.weight, trained.layers[0].attn.q_proj.lora_a.weight)
         True
     """
-    rank, world_size = world_info()
-    broadcast = broadcast_from_rank0 and world_size > 1
-    if full_sd is None and (rank == 0 or not broadcast):
-        raise ValueError(
-            "full_sd is None; every rank needs the state dict, or pass broadcast_from_rank0=True and the state "
-            "dict on rank 0."
-        )
-    device = torch.device(device) if device is not None else None
-    entries = model_entries(model, unwrap=True)
-    raw_to_key = {e.raw_key: e.key for e in entries.values() if e.raw_key != e.key}
-    mine = _normalize_keys(full_sd, raw_to_key) if full_sd is not None and (rank == 0 or not broadcast) else None
-    sd_meta = {k: (tuple(v.shape), v.dtype) for k, v in mine.items()} if mine is not None else None
-    manifest = _Manifest(_model_manifest(entries), sd_meta if (rank == 0 or not broadcast) else None, raw_to_key)
-    manifests: List[Any] = [None] * world_size
-    if world_size > 1:
-        dist.all_gather_object(manifests, manifest)
-    else:
-        manifests = [manifest]
-    missing, unexpected = _check_keys(manifests, rank, strict)
-
-    assign: Dict[str, torch.Tensor] = {}
-    if broadcast:
-        order = [k for k in manifests[0].state_dict if any(k in m.model for m in manifests)]
-        sources = _sources(entries, order)
-        # Every rank walks rank 0's keys in order; each key is sent once even if it feeds no tie group here.
-        for key in order:
-            full = _receive(key, mine.get(key) if mine is not None else None, manifests, rank)
-            if full is not None and key in sources:
-                _load_one(full, sources[key], device, assign)
-    else:
-        for key, members in _sources(entries, list(mine)).items():
-            _load_one(mine[key], members, device, assign)
-    if assign:
-        result = model.load_state_dict(assign, strict=False, assign=True)
-        not_loaded = [k for k in assign if k in result.missing_keys or k in result.unexpected_keys]
-        if not_loaded:
-            raise RuntimeError(f"load_state_dict(assign=True) did not take keys {not_loaded}.")
-    return _IncompatibleKeys(missing, unexpected)
+    loader = FullStateDictLoader(model, device=device, strict=strict, broadcast_from_rank0=broadcast_from_rank0)
+    return loader.load(full_sd)

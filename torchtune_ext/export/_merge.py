@@ -24,7 +24,7 @@ from torchtune_ext.checkpoint._checkpointer import base_keys
 from torchtune_ext.generation import build_model_for
 from torchtune_ext.models._from_hf import torchtune_builder_for
 from torchtune_ext.nf4 import NF4Tensor, quantize_nf4
-from torchtune_ext.training._settings import dtype_or_checkpoints
+from torchtune_ext.training import dtype_or_checkpoints
 
 PathLike = Union[str, Path]
 

@@ -25,6 +25,7 @@ from torchtune_ext.memory._tracker import (
     LiveStorageTracker,
     TrackerResult,
 )
+from torchtune_ext.modules.rope import share_rope_
 
 _NOTES_FAKE = (
     "ran on fake CPU tensors (FakeTensorMode): every op of the step ran with shapes and dtypes, no data; host "
@@ -170,6 +171,7 @@ class MemoryEstimator:
                     stack.enter_context(self.fake_mode)
                 stack.enter_context(accelerator_code_path())
                 stack.enter_context(torch.enable_grad())
+                share_rope_(self.model, seq_len)  # the one RoPE cache of a run padded to seq_len (issue 25)
                 stack.enter_context(tracker)
                 _register_model(tracker, self.model)
                 optimizer = self.optimizer_factory(self.model)

@@ -30,6 +30,7 @@ from torchtune_ext.modules.low_precision import (
     dense_state_dict_post_hook,
 )
 from torchtune_ext.modules.peft import DoRALinear, LoRALinear
+from torchtune_ext.modules.rope import share_rope_
 from torchtune_ext.modules.transformer import use_contiguous_chunks_
 from torchtune_ext.nf4 import check_float_dtype
 
@@ -123,6 +124,7 @@ def build_qlora(
         if frozen_dtype is not None and frozen_dtype != dtype:
             _store_frozen_weights_in(model, dtype, frozen_dtype)
         use_contiguous_chunks_(model)
+        share_rope_(model)  # one RoPE cache per model, grown on demand (issue 25)
     model._register_state_dict_hook(dense_state_dict_post_hook)
     if torch.device(device).type != "meta":
         materialize_(model, device, seed=seed)

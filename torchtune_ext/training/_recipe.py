@@ -55,17 +55,25 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from torchtune_ext._dtype import parse_dtype
-from torchtune_ext.checkpoint import (  # [issue 17] output-dir checks
+from torchtune_ext.checkpoint import (  # [issue 17] output-dir checks; [issue 25] bounded disk
+    DEFAULT_KEEP_LAST_N,
     MERGE_BASES,
+    RECIPE_STATE_DIRNAME,
     DataPosition,
+    DiskPlan,
     QLoRAHFCheckpointer,
     RecipeState,
     RunIdentity,
     check_output_dir,
     claim_output_dir,
+    count_saves,
     load_base_,
+    merge_at_epoch_end,
+    parse_keep_last_n,
     plain_rng_state,
+    plan_disk,
     read_hf_config,
+    remove_old_checkpoints,
 )
 from torchtune_ext.config import check_config  # [issue 17]
 from torchtune_ext.distributed import (
@@ -82,8 +90,18 @@ from torchtune_ext.distributed import (
 from torchtune_ext.memory import GIB, DeviceAllowance, MemoryEstimator, OffloadedActivations, recipe_step_estimator
 from torchtune_ext.models import check_adapter_state, init_adapters_
 from torchtune_ext.modules.loss import LinearCrossEntropyLoss
+from torchtune_ext.modules.rope import share_rope_
 from torchtune_ext.modules.transformer import tile_mlp_
-from torchtune_ext.modules.vocab_pruning import VocabPruning, export_full_vocab_state_dict, prune_vocab_
+from torchtune_ext.modules.vocab_pruning import (
+    KEPT_IDS_FILENAME,
+    VocabPruning,
+    export_full_vocab_state_dict,
+    parse_vocab_pruning,
+    prune_vocab_,
+    resolve_kept_ids,
+    save_scanned_kept_ids,
+    scan_estimate_line,
+)
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
 from torchtune_ext.training._export import check_run_folders, export_merged
 from torchtune_ext.training._interrupt import (
@@ -107,9 +125,7 @@ from torchtune_ext.training._settings import (
     build_tokenizer,
     dtype_or_checkpoints,
     frozen_weights_dtype,
-    parse_vocab_pruning,
     positive_int,
-    resolve_kept_ids,
     rng_state,
     set_rng_state,
     shifted_labels,
@@ -221,6 +237,8 @@ class QLoRARecipe(FTRecipeInterface):
         self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
         self._overwrite_output_dir = bool(cfg.get("overwrite_output_dir", False))  # [issue 17]
         self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
+        self._keep_last_n = parse_keep_last_n(cfg.get("keep_last_n_checkpoints", DEFAULT_KEEP_LAST_N))  # [issue 25]
+        self._merge_every_epoch = bool(cfg.get("merge_every_epoch", False))  # [issue 25]
         self._merge_base = cfg.get("merge_base", "nf4")
         if self._merge_base not in MERGE_BASES:
             raise ValueError(
@@ -231,6 +249,7 @@ class QLoRARecipe(FTRecipeInterface):
         self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
         self._enable_activation_offloading = cfg.get("enable_activation_offloading", False)
         self._tiled_mlp_tokens = positive_int(cfg, "tiled_mlp_tokens", None)
+        self._rope_seq_len = cfg.get("tokenizer", {}).get("max_seq_len", None)  # [issue 25] RoPE cache length
         if not self._dry_run:
             check_activation_offloading(self._enable_activation_offloading, self._device)
         self._activation_offloading: ContextManager = contextlib.nullcontext()
@@ -282,6 +301,9 @@ class QLoRARecipe(FTRecipeInterface):
 
         # From here on, outputs are written.
         self._start_writing(cfg)
+        self._save_scanned_kept_ids(dataset, val_dataset)  # [issue 25] a resume reuses the kept-id pass
+        disk = self._disk_plan(self._model, self._checkpointer.output_dir, len(dataset), self._merged_dtype)
+        self._info(disk.format())  # [issue 25]
 
         self._load_model(state)
         self._optimizer = config.instantiate(cfg.optimizer, self._trainable_params)
@@ -364,10 +386,16 @@ class QLoRARecipe(FTRecipeInterface):
             )
 
     def _resolve_kept_ids(self, dataset: Any, val_dataset: Optional[Any]) -> None:
-        """Vocab pruning: the kept token ids (a file, else the ids the data uses); every rank computes the same."""
+        """Vocab pruning: the kept token ids (a file, else the ids the data uses: one pass shared by the ranks, or
+        the pass a resumed run saved); every rank gets the same."""
         vocab_size = self._model.tok_embeddings.num_embeddings
+        scanned = self._checkpointer.recipe_checkpoint.parent / KEPT_IDS_FILENAME
         self._kept_ids = resolve_kept_ids(
-            self._vocab_pruning_cfg["kept_ids"], vocab_size, self._tokenizer, [dataset, val_dataset]
+            self._vocab_pruning_cfg["kept_ids"],
+            vocab_size,
+            self._tokenizer,
+            [dataset, val_dataset],
+            scanned=scanned if self._resume_from_checkpoint else None,  # [issue 25]
         )
         self._info(f"Vocab pruning: keeping {len(self._kept_ids)} of {vocab_size} token ids.")
 
@@ -381,6 +409,13 @@ class QLoRARecipe(FTRecipeInterface):
             global_batch_size=self._batch_size * self.world_size,
             dtypes=dtypes,
         )
+
+    def _save_scanned_kept_ids(self, dataset: Any, val_dataset: Optional[Any]) -> None:
+        """Rank 0 writes the kept ids the data pass found next to the recipe state, for a resume."""
+        if self._kept_ids is not None and self._vocab_pruning_cfg["kept_ids"] is None and self._is_rank_zero:
+            path = self._checkpointer.output_dir / RECIPE_STATE_DIRNAME / KEPT_IDS_FILENAME
+            vocab_size = self._model.tok_embeddings.num_embeddings
+            save_scanned_kept_ids(path, self._kept_ids, vocab_size, [dataset, val_dataset])
 
     def _check_recipe_state(self, state: RecipeState) -> None:
         """Checks a resumed recipe state against this run (its identity, adapter shapes, kept ids) before any
@@ -471,6 +506,7 @@ class QLoRARecipe(FTRecipeInterface):
                 trainable=pruning_cfg["trainable"],
             )
         set_trainable_params(model, get_adapter_params(model))
+        share_rope_(model, self._rope_seq_len)  # [issue 25] one RoPE cache, sized for the run, grown on demand
         if self._tiled_mlp_tokens is not None:
             tile_mlp_(model, self._tiled_mlp_tokens)
         if self._enable_activation_checkpointing:
@@ -786,7 +822,10 @@ class QLoRARecipe(FTRecipeInterface):
             pbar.close()
             self.epochs_run += 1
             self._steps_in_epoch_done = 0
-            self.save_checkpoint(end_of_epoch=True)
+            # [issue 25] the merged model once, at the end (or every epoch with merge_every_epoch)
+            self.save_checkpoint(
+                end_of_epoch=True, full=merge_at_epoch_end(self.epochs_run, self.total_epochs, self._merge_every_epoch)
+            )
             if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
                 return
             if curr_epoch + 1 < self.total_epochs and self._interrupt.requested():  # [issue 17]
@@ -900,6 +939,8 @@ class QLoRARecipe(FTRecipeInterface):
             )
             # [issue 24] one typed recipe state
             self._checkpointer.save_recipe_state(self._recipe_state(end_of_epoch, adapters, optimizer, rng))
+            # [issue 25] bounded disk: older step folders go once this one is complete
+            remove_old_checkpoints(self._checkpointer.output_dir, self._keep_last_n, self._last_checkpoint)
             if save_merged:  # [issue 24] skipped if the disk has no room for it; a failed write keeps the above
                 self._merged_note = export_merged(
                     self._checkpointer,
@@ -924,6 +965,25 @@ class QLoRARecipe(FTRecipeInterface):
     def _last_saved(self) -> Optional[Path]:
         """The last checkpoint this run wrote (None before its first save)."""
         return getattr(self, "_last_checkpoint", None)
+
+    def _disk_plan(
+        self, model: nn.Module, output_dir: str, num_rows: Optional[int], merged_dtype: torch.dtype
+    ) -> DiskPlan:
+        """[issue 25] The disk this run will use (``model``: as built, unpruned; ``num_rows``: the training rows,
+        None: unknown, epoch-end saves only; ``merged_dtype``: the merged export's)."""
+        steps = self.max_steps_per_epoch or 0
+        if num_rows is not None:
+            steps = num_rows // (self._batch_size * self.world_size * self._gradient_accumulation_steps)
+            steps = min(steps, self.max_steps_per_epoch or steps)
+        return plan_disk(
+            model,
+            output_dir,
+            saves=count_saves(self.total_epochs, steps, self._save_every_n_steps if num_rows is not None else None),
+            keep_last_n=self._keep_last_n,
+            merged_dtype=None if self._save_adapter_weights_only else merged_dtype,
+            epochs=self.total_epochs,
+            merge_every_epoch=self._merge_every_epoch,
+        )
 
     def _exportable(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """A full state dict under the unpruned model's keys and shapes (the trained rows written into the base's
@@ -1023,6 +1083,7 @@ class QLoRARecipe(FTRecipeInterface):
             f"loss {type(estimator.loss_fn).__name__}, "
             f"gradient_accumulation_steps={self._gradient_accumulation_steps}",
         ]
+        lines += self._dry_run_costs(cfg)  # [issue 25]
         if estimate.host_bytes:
             lines.append(f"  host memory the offloaded activations take: {estimate.host_bytes / GIB:.2f} GiB (pinned)")
         memory_gib = cfg.get("device_memory_gb", None)
@@ -1038,6 +1099,27 @@ class QLoRARecipe(FTRecipeInterface):
         report = "\n".join(lines)
         print(report, flush=True)
         return report
+
+    def _dry_run_costs(self, cfg: DictConfig) -> List[str]:
+        """[issue 25] The disk the run will use and, when vocab pruning scans the data, the pass's time (from a
+        measured sample of rows); the data set's size when the tokenizer and data can be read already."""
+        model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
+        lines, datasets = [], []
+        try:
+            tokenizer = build_tokenizer(cfg.tokenizer)
+            datasets = [build_dataset(cfg.dataset, tokenizer)]
+            if cfg.get("dataset_val", None) is not None:
+                datasets.append(build_dataset(cfg.dataset_val, tokenizer, "dataset_val"))
+        except (FileNotFoundError, RuntimeError) as err:
+            lines.append(f"  data not readable yet ({str(err)[:160]}): disk counts epoch-end saves only.")
+        num_rows = len(datasets[0]) if datasets else None
+        config_json = Path(cfg.checkpointer.checkpoint_dir) / "config.json"
+        hf_config = read_hf_config(config_json.parent) if config_json.is_file() else {}
+        merged_dtype = dtype_or_checkpoints(cfg.get("merged_dtype", None), hf_config)
+        lines.append("  " + self._disk_plan(model, cfg.checkpointer.output_dir, num_rows, merged_dtype).format())
+        vocab_size = model.tok_embeddings.num_embeddings
+        scan = scan_estimate_line(self._vocab_pruning_cfg, datasets, vocab_size, self.world_size) if datasets else None
+        return lines + ([scan] if scan else [])
 
     # ----------------------------------------------------------------------------------------------- the end
 

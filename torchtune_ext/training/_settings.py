@@ -1,11 +1,11 @@
 """Reading a QLoRA recipe's config: positive counts, LoRA settings (for the PEFT adapter config), the model (built on
-the meta device), data sets, vocab-pruning settings and kept ids; and the RNG state a resume restores."""
+the meta device), data sets; and the RNG state a resume restores."""
 
 import inspect
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -19,8 +19,7 @@ from torchtune.modules.peft import get_lora_module_names
 
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.config import TOKENIZER_FILE_KEYS, ConfigError, missing_tokenizer_file
-from torchtune_ext.distributed import VOCAB_PRUNING_SHARDING
-from torchtune_ext.modules.vocab_pruning import VocabPruning, collect_token_ids, load_kept_ids, validate_kept_ids
+from torchtune_ext.modules.vocab_pruning import VocabPruning
 
 
 def rng_state(device: torch.device) -> Dict[str, Any]:
@@ -289,69 +288,3 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, what: str = "dataset") -> Da
             f"{what}.source=json {what}.data_files=/path/to/data.json (with the column names the "
             f"{what}._component_ expects), or download the data set once while online."
         ) from err
-
-
-#: keys of ``vocab_pruning:`` in a recipe config.
-VOCAB_PRUNING_KEYS = ("enabled", "kept_ids", "dtype", "sharding", "unknown_token_id", "trainable")
-
-
-def parse_vocab_pruning(section: Optional[DictConfig]) -> Optional[Dict[str, Any]]:
-    """Reads a ``vocab_pruning:`` config section.
-
-    Args:
-        section (Optional[DictConfig]): the section: ``enabled`` (default True when the section exists),
-            ``kept_ids`` (a file, see ``load_kept_ids``; null: the ids the data uses), ``dtype`` (of the pruned
-            rows, default fp32), ``sharding`` (distributed only: ``sharded`` or ``replicated``),
-            ``unknown_token_id``, ``trainable`` (default True).
-
-    Returns:
-        Optional[Dict[str, Any]]: the settings, None when pruning is off.
-
-    Raises:
-        ValueError: on an unknown key, dtype or sharding.
-    """
-    if section is None or not section.get("enabled", True):
-        return None
-    unknown = sorted(set(section) - set(VOCAB_PRUNING_KEYS))
-    if unknown:
-        raise ValueError(f"vocab_pruning has unknown key(s) {unknown}; known keys: {sorted(VOCAB_PRUNING_KEYS)}.")
-    sharding = section.get("sharding", "sharded")
-    if sharding not in VOCAB_PRUNING_SHARDING:
-        raise ValueError(
-            f"vocab_pruning.sharding={sharding!r} is not supported; use one of {list(VOCAB_PRUNING_SHARDING)}."
-        )
-    return {
-        "kept_ids": section.get("kept_ids", None),
-        "dtype": parse_dtype(section.get("dtype", "fp32"), what="vocab_pruning.dtype"),
-        "sharding": sharding,
-        "unknown_token_id": section.get("unknown_token_id", None),
-        "trainable": bool(section.get("trainable", True)),
-    }
-
-
-def resolve_kept_ids(
-    source: Optional[str], vocab_size: int, tokenizer: Any, datasets: Sequence[Optional[Dataset]]
-) -> List[int]:
-    """The kept token ids of vocab pruning.
-
-    Args:
-        source (Optional[str]): a kept-ids file (``vocab_pruning.kept_ids``); None: every id ``datasets`` use plus
-            the tokenizer's special ids (``bos_id``, ``eos_id``, ``pad_id``).
-        vocab_size (int): the model's vocabulary size.
-        tokenizer (Any): the tokenizer.
-        datasets (Sequence[Optional[Dataset]]): the training (and validation) data; None entries are skipped.
-
-    Returns:
-        List[int]: the kept ids, validated.
-
-    Raises:
-        ValueError: on invalid ids (out of range, duplicates) or an unreadable file.
-    """
-    if source is not None:
-        ids = load_kept_ids(source, vocab_size=vocab_size)
-    else:
-        special = [getattr(tokenizer, name, None) for name in ("bos_id", "eos_id", "pad_id")]
-        data = [sample for dataset in datasets if dataset is not None for sample in dataset]
-        ids = collect_token_ids(data, always_keep=special, vocab_size=vocab_size)
-    validate_kept_ids(ids, vocab_size)
-    return list(ids)
