@@ -30,7 +30,7 @@ from torchtune_ext.distributed import get_full_state_dict  # noqa: E402
 from torchtune_ext.export import merge_adapter  # noqa: E402
 from torchtune_ext.generation import Generator, SamplingSettings, load_model_with_adapter  # noqa: E402
 from torchtune_ext.models import init_adapters_, qlora_llama3_2_1b, qlora_tiny_llama  # noqa: E402
-from torchtune_ext.training._metrics import peak_rss_bytes  # noqa: E402
+from torchtune_ext.training import peak_rss_bytes  # noqa: E402
 
 LORA = {
     "tiny": dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, rank=16),

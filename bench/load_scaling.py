@@ -23,9 +23,10 @@ import torch
 
 from torchtune_ext.checkpoint import (
     QLoRAHFCheckpointer,
-    _safetensors,
+    iter_safetensors,
     load_base_,
     qwen2_hf_config,
+    read_safetensors_header,
     write_random_hf_checkpoint,
 )
 from torchtune_ext.models import TINY_QWEN_ARGS, qlora_qwen2_5_1_5b_instruct, qlora_tiny_qwen
@@ -54,7 +55,7 @@ def _checkpoint(path: Path, model: torch.nn.Module, args: dict) -> Path:
 def _timed_load(model: torch.nn.Module, checkpoint: Path, out: Path) -> Tuple[float, int]:
     checkpointer = QLoRAHFCheckpointer(str(checkpoint), str(out), "QWEN2")
     checkpointer.validate(model)
-    tensors = sum(len(_safetensors.read_header(p)) for p in checkpointer.checkpoint_paths)
+    tensors = sum(len(read_safetensors_header(p)) for p in checkpointer.checkpoint_paths)
     start = time.perf_counter()
     load_base_(model, checkpointer, torch.device("cpu"))
     return time.perf_counter() - start, tensors
@@ -75,7 +76,7 @@ def per_tensor(cache: Path, layers: int, repeats: int) -> float:
 def read_seconds(checkpoint: Path) -> float:
     start = time.perf_counter()
     for path in sorted(checkpoint.glob("*.safetensors")):
-        for _, tensor in _safetensors.iter_tensors(path):
+        for _, tensor in iter_safetensors(path):
             del tensor
     return time.perf_counter() - start
 

@@ -15,6 +15,7 @@ from torchtune_ext.checkpoint._checkpointer import (
     MERGED_DIRNAME,
     RECIPE_STATE_DIRNAME,
     QLoRAHFCheckpointer,
+    base_keys,
     resolve_checkpoint_files,
 )
 from torchtune_ext.checkpoint._hf import (
@@ -23,6 +24,7 @@ from torchtune_ext.checkpoint._hf import (
     HFConverter,
     decoder_hf_config,
     hf_dtype_fields,
+    is_adapter_key,
     llama3_2_hf_config,
     peft_adapter_config,
     qwen2_hf_config,
@@ -49,10 +51,18 @@ from torchtune_ext.checkpoint._retention import (
     remove_old_checkpoints,
     step_folders,
 )
+from torchtune_ext.checkpoint._safetensors import iter_tensors as iter_safetensors
+from torchtune_ext.checkpoint._safetensors import read_header as read_safetensors_header
 from torchtune_ext.checkpoint._validate import check_checkpoint_matches
-from torchtune_ext.checkpoint._writes import WriteError, check_writable_folders
+from torchtune_ext.checkpoint._writes import WriteError, check_writable_folders, format_bytes, free_bytes
 
 __all__ = [
+    "base_keys",
+    "format_bytes",
+    "free_bytes",
+    "is_adapter_key",
+    "iter_safetensors",
+    "read_safetensors_header",
     "DEFAULT_KEEP_LAST_N",
     "DiskPlan",
     "count_saves",

@@ -15,14 +15,14 @@ from torchtune_ext.checkpoint import (
     MERGE_BASES,
     QLoRAHFCheckpointer,
     atomic_directory,
+    base_keys,
     check_writable,
     read_adapter_state,
     read_hf_config,
     read_peft_adapter,
 )
-from torchtune_ext.checkpoint._checkpointer import base_keys
 from torchtune_ext.generation import build_model_for
-from torchtune_ext.models._from_hf import torchtune_builder_for
+from torchtune_ext.models import torchtune_builder_for
 from torchtune_ext.nf4 import NF4Tensor, quantize_nf4
 from torchtune_ext.training import dtype_or_checkpoints
 

@@ -21,8 +21,7 @@ from torchtune_ext.checkpoint import (
     read_hf_config,
     read_peft_adapter,
 )
-from torchtune_ext.models import build_qlora, init_adapters_
-from torchtune_ext.models._from_hf import torchtune_builder_for
+from torchtune_ext.models import build_qlora, init_adapters_, torchtune_builder_for
 from torchtune_ext.training import build_qlora_model, frozen_weights_dtype
 
 PathLike = Union[str, Path]

@@ -26,8 +26,13 @@ from torchtune_ext.generation._generate import (
 )
 from torchtune_ext.generation._model import load_model_with_adapter
 from torchtune_ext.memory import GIB
-from torchtune_ext.training import build_qlora_model, build_tokenizer, frozen_weights_dtype
-from torchtune_ext.training._metrics import format_memory_stats, memory_stats
+from torchtune_ext.training import (
+    build_qlora_model,
+    build_tokenizer,
+    format_memory_stats,
+    frozen_weights_dtype,
+    memory_stats,
+)
 
 
 def read_prompts(path: str) -> List[Any]:

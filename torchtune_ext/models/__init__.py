@@ -15,6 +15,7 @@ from torchtune.models.qwen2_5 import (
     lora_qwen2_5_7b_instruct,
 )
 
+from torchtune_ext.models._from_hf import torchtune_builder_for
 from torchtune_ext.models._init import check_adapter_state, init_adapters_, init_weights_, materialize_
 from torchtune_ext.models._qlora import build_qlora, qlora_builder
 from torchtune_ext.models._tiny import (
@@ -56,8 +57,8 @@ QLORA_BUILDERS = {
     qlora_tiny_llama: lora_tiny_llama,
     qlora_tiny_qwen: lora_tiny_qwen,
 }
-
 __all__ = [
+    "torchtune_builder_for",
     "QLORA_BUILDERS",
     "TINY_LLAMA_ARGS",
     "TINY_QWEN_ARGS",

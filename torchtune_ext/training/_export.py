@@ -17,8 +17,15 @@ from omegaconf import DictConfig
 from torchtune import utils
 
 from torchtune_ext._finite import NonFiniteError
-from torchtune_ext.checkpoint._checkpointer import ADAPTER_DIRNAME, MERGED_DIRNAME, RECIPE_STATE_DIRNAME
-from torchtune_ext.checkpoint._writes import WriteError, check_writable_folders, format_bytes, free_bytes
+from torchtune_ext.checkpoint import (
+    ADAPTER_DIRNAME,
+    MERGED_DIRNAME,
+    RECIPE_STATE_DIRNAME,
+    WriteError,
+    check_writable_folders,
+    format_bytes,
+    free_bytes,
+)
 
 log = utils.get_logger("INFO")
 

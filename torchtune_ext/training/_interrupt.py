@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from torchtune_ext.distributed._utils import group_device
+from torchtune_ext.distributed import group_device
 
 #: the signals that save and stop a run.
 SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtune_ext._finite import NonFiniteError, all_finite
-from torchtune_ext.checkpoint._hf import is_adapter_key
+from torchtune_ext.checkpoint import is_adapter_key
 from torchtune_ext.distributed import all_reduce_sum, unwrap_key
 from torchtune_ext.nf4 import NF4Tensor
 from torchtune_ext.training._precision import LossScaler
