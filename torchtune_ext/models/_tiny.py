@@ -4,6 +4,7 @@
 tests); ``qlora_tiny_*`` are their QLoRA versions. Every linear's numel is a multiple of 64 * 256.
 """
 
+import inspect
 from typing import Any, Callable, Dict, List
 
 from torchtune.models.llama3_2 import lora_llama3_2
@@ -59,6 +60,14 @@ def _tiny_builder(
         )
 
     builder.__name__ = builder.__qualname__ = name
+    # The keys a config may set (what config checks read): the torchtune builder's, with the tiny defaults.
+    defaults = {**_LORA_DEFAULTS, **arch}
+    builder.__signature__ = inspect.signature(lora_builder).replace(
+        parameters=[
+            p.replace(default=defaults[p.name]) if p.name in defaults else p
+            for p in inspect.signature(lora_builder).parameters.values()
+        ]
+    )
     builder.__doc__ = f"""A 2-layer, 256-dim {what} LoRA model.
 
     Args:

@@ -1103,7 +1103,9 @@ class QLoRARecipe(FTRecipeInterface):
     def _dry_run_costs(self, cfg: DictConfig) -> List[str]:
         """[issue 25] The disk the run will use and, when vocab pruning scans the data, the pass's time (from a
         measured sample of rows); the data set's size when the tokenizer and data can be read already."""
-        model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
+        hf_config = self._checkpoint_config(cfg)
+        frozen_dtype = frozen_weights_dtype(cfg.get("frozen_dtype", None), self._dtype, hf_config)
+        model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, frozen_dtype)
         lines, datasets = [], []
         try:
             tokenizer = build_tokenizer(cfg.tokenizer)
@@ -1113,8 +1115,6 @@ class QLoRARecipe(FTRecipeInterface):
         except (FileNotFoundError, RuntimeError) as err:
             lines.append(f"  data not readable yet ({str(err)[:160]}): disk counts epoch-end saves only.")
         num_rows = len(datasets[0]) if datasets else None
-        config_json = Path(cfg.checkpointer.checkpoint_dir) / "config.json"
-        hf_config = read_hf_config(config_json.parent) if config_json.is_file() else {}
         merged_dtype = dtype_or_checkpoints(cfg.get("merged_dtype", None), hf_config)
         lines.append("  " + self._disk_plan(model, cfg.checkpointer.output_dir, num_rows, merged_dtype).format())
         vocab_size = model.tok_embeddings.num_embeddings

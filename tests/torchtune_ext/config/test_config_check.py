@@ -35,7 +35,11 @@ def _error(*overrides: str, dry_run: bool = False) -> ConfigError:
     return raised.value
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.stem)
+# the training recipes' configs (the generation recipe reads other keys)
+TRAINING_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not p.stem.endswith("generation"))
+
+
+@pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=lambda p: p.stem)
 def test_every_shipped_config_passes(path):
     check_config(OmegaConf.load(path), dry_run=True)  # the real models' files are not downloaded here
 
