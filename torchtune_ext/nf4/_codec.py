@@ -462,7 +462,12 @@ def dequantize_nf4(weight: NF4Tensor, dtype: Optional[torch.dtype] = None) -> to
     if weight.quantized_data.numel() * 2 != weight.numel():
         # The last block is padded: decode whole blocks, then drop the padding (n_blocks is not trusted: FSDP's
         # all-gather keeps a shard's).
-        padded = torch.empty(weight.quantized_data.numel() * 2 // weight.block_size, weight.block_size, dtype=out_dtype, device=weight.device)
+        padded = torch.empty(
+            weight.quantized_data.numel() * 2 // weight.block_size,
+            weight.block_size,
+            dtype=out_dtype,
+            device=weight.device,
+        )
         _dequantize_into(weight, padded)
         return padded.view(-1)[: weight.numel()].view(weight.shape).clone()
     if weight.device.type == "cpu":

@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import MERGE_BASES, QLoRAHFCheckpointer, load_base_, read_hf_config
+from torchtune_ext.distributed import check_nf4_sharding  # [issue 23]
 from torchtune_ext.distributed import (
     all_reduce_grads,
     all_reduce_sum,
@@ -272,6 +273,7 @@ class QLoRARecipe(FTRecipeInterface):
             cfg.get("frozen_dtype", None), self._dtype, self._checkpointer.hf_config
         )
         self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
+        check_nf4_sharding(self._model, self.world_size)  # [issue 23] refuse/report NF4 layouts before any load
         self._checkpointer.validate(self._model)
         self._tokenizer = build_tokenizer(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
