@@ -47,11 +47,11 @@ from tqdm import tqdm
 
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import MERGE_BASES, QLoRAHFCheckpointer, load_base_, read_hf_config
-from torchtune_ext.distributed import check_nf4_sharding  # [issue 23]
 from torchtune_ext.distributed import (
     all_reduce_grads,
     all_reduce_sum,
     check_dataset_size,
+    check_nf4_sharding,  # [issue 23]
     clip_grad_norm_,
     get_full_optimizer_state,
     get_full_state_dict,
