@@ -85,7 +85,8 @@ def shard_model(
     if vocab_pruning is not None:
         if vocab_pruning_sharding == "sharded":
             fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-            fully_shard(vocab_pruning, mp_policy=fp32, **common)
+            pruning_whole = (whole & set(vocab_pruning.parameters())) or None
+            fully_shard(vocab_pruning, mp_policy=fp32, ignored_params=pruning_whole, **common)
         else:
             ignored |= set(vocab_pruning.parameters())
     for layer in layers:
