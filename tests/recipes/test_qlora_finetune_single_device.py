@@ -36,7 +36,7 @@ from torchtune_ext import _dtype
 from torchtune_ext.checkpoint import HFConverter
 from torchtune_ext.data import write_tiny_checkpoint
 from torchtune_ext.modules import save_kept_ids
-from torchtune_ext.nf4 import to_nf4
+from torchtune_ext.nf4 import NF4Tensor, nf4_scaler_block_size, to_nf4
 
 pytestmark = pytest.mark.integration_test
 
@@ -202,6 +202,17 @@ def _parity_cfg(base: Path, out: Path, ours: bool):
     return OmegaConf.create(cfg)
 
 
+def _requantize_in_per_shape_groups_(model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> None:
+    """torchtune's NF4 bases quantized again from the checkpoint, in our per-shape scale groups (torchao's 256
+    where they split over 8 ranks, ``nf4_scaler_block_size``): both recipes then train on the same base."""
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, NF4Tensor):
+            dense = state[f"{name}.weight"].to(weight.dtype)
+            nf4 = to_nf4(dense, 64, nf4_scaler_block_size(dense.shape))
+            module.weight = torch.nn.Parameter(nf4, requires_grad=False)
+
+
 @pytest.mark.stack
 def test_parity_with_torchtunes_lora_finetune_single_device(base, workdir):
     """Same tiny model, data, seed and adapters: our fp32 QLoRA losses equal torchtune's quantize_base recipe's.
@@ -216,6 +227,7 @@ def test_parity_with_torchtunes_lora_finetune_single_device(base, workdir):
     theirs_cfg = _parity_cfg(base, workdir / "parity_theirs", ours=False)
     theirs = theirs_module.LoRAFinetuneRecipeSingleDevice(theirs_cfg)
     theirs.setup(theirs_cfg)
+    _requantize_in_per_shape_groups_(theirs._model, theirs._checkpointer.load_checkpoint()["model"])
     initial_adapters = {k: v.clone() for k, v in theirs._model.state_dict().items() if "lora" in k}
     theirs.train()
     theirs.cleanup()
@@ -423,7 +435,9 @@ def _check_merged(out: Path, base: Path, model_type: str, rank: int, alpha: floa
             if not original:
                 # NF4 blocks run along the model's (torchtune-layout) rows.
                 tune_key, tune_value = converter.to_tune(key, expected)
-                expected = converter.to_hf(tune_key, to_nf4(tune_value).get_original_weight())[1]
+                # In the per-shape scale groups the model quantizes in (torchao's 256 where they split over 8).
+                nf4 = to_nf4(tune_value, 64, nf4_scaler_block_size(tune_value.shape))
+                expected = converter.to_hf(tune_key, nf4.get_original_weight())[1]
             prefix = "base_model.model." + key[: -len(".weight")]
             if f"{prefix}.lora_A.weight" in peft:
                 lora_modules += 1

@@ -12,6 +12,7 @@ from torchtune_ext.distributed._launch import (
     launched_world_size,
     per_rank_batch_size,
 )
+from torchtune_ext.distributed._nf4_sharding import NF4ShardingPlan, check_nf4_sharding
 from torchtune_ext.distributed._optimizer import get_full_optimizer_state, load_full_optimizer_state
 from torchtune_ext.distributed._parallelize import (
     VOCAB_PRUNING_SHARDING,
@@ -25,10 +26,12 @@ from torchtune_ext.distributed._utils import group_device, unwrap_key, world_inf
 
 __all__ = [
     "FullStateDictLoader",
+    "NF4ShardingPlan",
     "VOCAB_PRUNING_SHARDING",
     "all_reduce_grads",
     "all_reduce_sum",
     "backend_for",
+    "check_nf4_sharding",
     "check_dataset_size",
     "check_fsdp_cpu_offload",
     "clip_grad_norm_",

@@ -11,6 +11,8 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from torchtune_ext.distributed._nf4_sharding import whole_nf4_params
+
 #: how a vocab-pruning module is distributed (config ``vocab_pruning.sharding``).
 VOCAB_PRUNING_SHARDING = ("sharded", "replicated")
 
@@ -55,6 +57,9 @@ def shard_model(
         reshard_after_forward (bool): free gathered params after forward (FULL_SHARD) or keep them (SHARD_GRAD_OP).
         cpu_offload (bool): FSDP CPU offload of params, grads and optimizer state (accelerators only).
 
+    NF4 weights whose rows or scale groups do not divide the world size are kept whole on every rank
+    (:func:`torchtune_ext.distributed.check_nf4_sharding` says which, and logs their bytes per rank).
+
     On a single rank nothing is sharded (FSDP would only add copies, and torchao's NF4 does not support FSDP2's
     single-rank all-gather path): every param stays a plain tensor, as replicated params do.
 
@@ -74,20 +79,23 @@ def shard_model(
     if cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()
     compute = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    ignored = None
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    whole = whole_nf4_params(model, world_size)
+    ignored = set(whole)
     if vocab_pruning is not None:
         if vocab_pruning_sharding == "sharded":
             fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-            fully_shard(vocab_pruning, mp_policy=fp32, **common)
+            pruning_whole = (whole & set(vocab_pruning.parameters())) or None
+            fully_shard(vocab_pruning, mp_policy=fp32, ignored_params=pruning_whole, **common)
         else:
-            ignored = set(vocab_pruning.parameters())
+            ignored |= set(vocab_pruning.parameters())
     for layer in layers:
-        fully_shard(layer, mp_policy=compute, **common)
+        fully_shard(layer, mp_policy=compute, ignored_params=(whole & set(layer.parameters())) or None, **common)
     # The root (embedding, final norm, output) keeps its params gathered after forward (FSDP2's own default for the
     # root): backward needs them first anyway, and LinearCrossEntropyLoss calls the output after the forward. In
     # fp32 its frozen weights may be stored in 16 bits (``frozen_dtype``): they are gathered as stored.
     root = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
-    fully_shard(model, mp_policy=root, ignored_params=ignored, **{**common, "reshard_after_forward": False})
+    fully_shard(model, mp_policy=root, ignored_params=ignored or None, **{**common, "reshard_after_forward": False})
     for unit in fsdp_units(model):
         unit.set_force_sum_reduction_for_comms(True)
         unit.set_gradient_divide_factor(1.0)

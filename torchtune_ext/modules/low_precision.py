@@ -26,7 +26,6 @@ from torchtune.modules import TiedLinear
 
 from torchtune_ext.nf4 import (
     NF4_BLOCK_SIZE,
-    NF4_SCALER_BLOCK_SIZE,
     NF4Tensor,
     check_float_dtype,
     check_nf4_shape,
@@ -344,7 +343,8 @@ class FrozenNF4Linear(nn.Linear):
         dtype (Optional[torch.dtype]): compute dtype, and the dtype the weight dequantizes to in a state dict.
             None: torch's default dtype.
         block_size (int): NF4 block size. Default: 64.
-        scaler_block_size (int): block size of the scale double quantization. Default: 256.
+        scaler_block_size (Optional[int]): block size of the scale double quantization. None (default): per
+            shape, :func:`torchtune_ext.nf4.nf4_scaler_block_size` (torchao's 256 wherever it splits over 8 ranks).
 
     Raises:
         ValueError: if ``dtype`` is not a float dtype or the weight shape cannot be NF4-quantized.
@@ -358,7 +358,7 @@ class FrozenNF4Linear(nn.Linear):
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
         block_size: int = NF4_BLOCK_SIZE,
-        scaler_block_size: int = NF4_SCALER_BLOCK_SIZE,
+        scaler_block_size: Optional[int] = None,
     ):
         check_float_dtype(dtype)
         check_nf4_shape((out_dim, in_dim), block_size, scaler_block_size)

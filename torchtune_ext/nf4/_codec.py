@@ -67,43 +67,107 @@ def check_float_dtype(dtype: Optional[torch.dtype], what: str = "dtype") -> None
         )
 
 
+def nf4_n_blocks(shape: Sequence[int], block_size: int = NF4_BLOCK_SIZE) -> int:
+    """The number of NF4 blocks of a weight of ``shape``: its numel over ``block_size``, the last block padded.
+
+    Args:
+        shape (Sequence[int]): the weight's shape.
+        block_size (int): NF4 block size.
+
+    Returns:
+        int: ``ceil(numel / block_size)``.
+    """
+    return -(-math.prod(shape) // block_size)
+
+
+def nf4_scaler_block_size(shape: Sequence[int], block_size: int = NF4_BLOCK_SIZE) -> int:
+    """The scaler block size (blocks per double-quantization group) that quantizes a weight of ``shape`` and keeps
+    its scale groups divisible by as many ranks as possible.
+
+    torchao's 256 wherever its group count splits evenly over 8 ranks (its own layout, bit for bit); otherwise the
+    largest divisor of the block count, at most 256, whose group count splits over 8 ranks, else 4, else 2, else
+    any: SmolLM2-135M's 576x576 (5,184 blocks) gets 24 groups of 216, Qwen2.5-0.5B's 896x896 (12,544 blocks) 56 of
+    224. A divisor always exists (1), so every shape quantizes.
+
+    Args:
+        shape (Sequence[int]): the weight's shape.
+        block_size (int): NF4 block size.
+
+    Returns:
+        int: a divisor of :func:`nf4_n_blocks` of at most 256.
+    """
+    n_blocks = nf4_n_blocks(shape, block_size)
+    divisors = [d for d in range(min(NF4_SCALER_BLOCK_SIZE, n_blocks), 0, -1) if n_blocks % d == 0]
+    for ranks in (8, 4, 2):
+        for divisor in divisors:
+            if (n_blocks // divisor) % ranks == 0:
+                return divisor
+    return divisors[0]
+
+
+def nf4_even_world_sizes(
+    shape: Sequence[int],
+    scaler_block_size: Optional[int] = None,
+    block_size: int = NF4_BLOCK_SIZE,
+    max_world_size: int = 8,
+) -> Tuple[int, ...]:
+    """The world sizes up to ``max_world_size`` over which FSDP2 splits an NF4 weight of ``shape`` evenly: each rank
+    then holds whole rows, whole blocks and whole scale groups (torchao's ``NF4Tensor`` split and all-gather).
+
+    Args:
+        shape (Sequence[int]): the 2-D weight shape.
+        scaler_block_size (Optional[int]): its scaler block size; None: :func:`nf4_scaler_block_size`.
+        block_size (int): NF4 block size.
+        max_world_size (int): the largest world size considered.
+
+    Returns:
+        Tuple[int, ...]: the world sizes (1 always; none above 1 for a weight whose last block is padded).
+    """
+    scaler_block_size = scaler_block_size or nf4_scaler_block_size(shape, block_size)
+    if math.prod(shape) % block_size != 0:
+        return (1,)
+    groups = nf4_n_blocks(shape, block_size) // scaler_block_size
+    return tuple(w for w in range(1, max_world_size + 1) if shape[0] % w == 0 and groups % w == 0)
+
+
 def check_nf4_shape(
     shape: Tuple[int, ...],
     block_size: int = NF4_BLOCK_SIZE,
-    scaler_block_size: int = NF4_SCALER_BLOCK_SIZE,
+    scaler_block_size: Optional[int] = None,
     name: str = "weight",
 ) -> None:
-    """Raises a ``ValueError`` when a weight of ``shape`` cannot be NF4-quantized.
+    """Raises a ``ValueError`` when a weight of ``shape`` cannot be NF4-quantized with these block sizes.
 
-    NF4 quantizes blocks of ``block_size`` values, and double-quantizes the per-block scales in blocks of
-    ``scaler_block_size``, so the weight's numel must be divisible by ``block_size * scaler_block_size``.
+    Any 2-D shape quantizes (the last block is zero-padded); an explicit ``scaler_block_size`` must divide the
+    block count (None picks one that does: :func:`nf4_scaler_block_size`).
 
     Args:
         shape (Tuple[int, ...]): the weight's shape.
         block_size (int): NF4 block size.
-        scaler_block_size (int): block size of the double quantization of the scales.
+        scaler_block_size (Optional[int]): block size of the double quantization of the scales; None: per shape.
         name (str): the weight's name, used in the error.
 
     Raises:
         ValueError: if the shape is not quantizable.
     """
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    multiple = block_size * scaler_block_size
-    if len(shape) != 2 or numel % multiple != 0:
+    if len(shape) != 2 or math.prod(shape) == 0 or block_size % 4 != 0:
         raise ValueError(
-            f"{name} of shape {tuple(shape)} ({numel} elements) cannot be NF4-quantized with "
-            f"block_size={block_size} and scaler_block_size={scaler_block_size}: NF4 needs a 2-D weight whose "
-            f"numel is divisible by block_size * scaler_block_size = {multiple}. Pick dims that are multiples "
-            f"of 256 (e.g. 256x512), or leave this layer unquantized."
+            f"{name} of shape {tuple(shape)} with block_size={block_size} cannot be NF4-quantized: NF4 needs a "
+            "non-empty 2-D weight and a block_size divisible by 4. Leave this layer unquantized."
+        )
+    n_blocks = nf4_n_blocks(shape, block_size)
+    if scaler_block_size is not None and n_blocks % scaler_block_size != 0:
+        raise ValueError(
+            f"{name} of shape {tuple(shape)} ({n_blocks} blocks of block_size={block_size}) cannot be NF4-quantized "
+            f"with scaler_block_size={scaler_block_size}: the block count must be divisible by it. Pass "
+            f"scaler_block_size=None (picks {nf4_scaler_block_size(shape, block_size)} for this shape)."
         )
 
 
 def quantize_nf4(
     tensor: torch.Tensor,
     block_size: int = NF4_BLOCK_SIZE,
-    scaler_block_size: int = NF4_SCALER_BLOCK_SIZE,
+    scaler_block_size: Optional[int] = None,
     *,
     scaler_mean: Optional[torch.Tensor] = None,
 ) -> NF4Tensor:
@@ -118,10 +182,14 @@ def quantize_nf4(
     requires grad makes those views differentiable: "Attempted to make a tensor into a differentiable view"). A meta
     ``tensor`` gives a meta NF4Tensor with the inner tensors ``to_nf4`` would make.
 
+    Any shape quantizes: a numel that is not a multiple of ``block_size`` zero-pads the last block (zeros change
+    neither its absmax nor any other block), and ``scaler_block_size=None`` picks a divisor of the block count
+    (:func:`nf4_scaler_block_size`; torchao's 256 wherever that splits over 8 ranks, so ``to_nf4``'s layout).
+
     Args:
         tensor (torch.Tensor): 2-D float weight (or a row shard of one, with ``scaler_mean``).
         block_size (int): NF4 block size.
-        scaler_block_size (int): block size of the scale double quantization.
+        scaler_block_size (Optional[int]): block size of the scale double quantization; None: per shape.
         scaler_mean (Optional[torch.Tensor]): the mean block scale of the whole tensor that ``tensor`` is a row shard
             of (:func:`nf4_scaler_mean`); the result then equals those rows of the whole tensor's quantization,
             which FSDP2 needs (it reassembles shards under one ``scaler_mean``). None: ``tensor``'s own.
@@ -134,9 +202,10 @@ def quantize_nf4(
     """
     check_float_dtype(tensor.dtype, "weight dtype")
     check_nf4_shape(tuple(tensor.shape), block_size, scaler_block_size)
+    scaler_block_size = scaler_block_size or nf4_scaler_block_size(tensor.shape, block_size)
     if tensor.is_meta:
         return _meta_nf4(tensor.shape, tensor.dtype, block_size, scaler_block_size)
-    flat = tensor.detach().contiguous().flatten()
+    flat = _padded_flat(tensor.detach(), block_size)
     nf4 = torch.tensor(_NF4_LEVELS, device=tensor.device, dtype=tensor.dtype)
     blocks = flat.view(-1, block_size)
     n_blocks = blocks.shape[0]
@@ -162,6 +231,13 @@ def quantize_nf4(
         packed,
         nf4,
     )
+
+
+def _padded_flat(tensor: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``tensor`` flattened, zero-padded to whole blocks."""
+    flat = tensor.contiguous().flatten()
+    pad = -flat.numel() % block_size
+    return flat if pad == 0 else torch.cat([flat, flat.new_zeros(pad)])
 
 
 def _tensor_meta(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> SubclassTensorArgs:
@@ -192,7 +268,7 @@ def nf4_scaler_mean(tensor: torch.Tensor, dtype: torch.dtype, block_size: int = 
     Returns:
         torch.Tensor: a 0-dim tensor of ``dtype``.
     """
-    blocks = tensor.reshape(-1, block_size)
+    blocks = _padded_flat(tensor, block_size).view(-1, block_size)
     rows = max(1, _CPU_CHUNK_NUMEL // block_size)
     absmax = torch.cat([blocks[i : i + rows].abs().amax(dim=1) for i in range(0, blocks.size(0), rows)])
     return absmax.to(dtype).mean()
@@ -226,7 +302,7 @@ def nf4_from_inner(
     return NF4Tensor(
         _tensor_meta(shape, template.dtype, quantized_data.device),
         template.block_size,
-        math.prod(shape) // template.block_size,
+        nf4_n_blocks(shape, template.block_size),
         template.scaler_block_size,
         quantized_scalers,
         quantization_factor,
@@ -320,8 +396,7 @@ def _nf4_codes(scaled: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
 
 def _meta_nf4(shape: torch.Size, dtype: torch.dtype, block_size: int, scaler_block_size: int) -> NF4Tensor:
     """The NF4Tensor ``to_nf4(torch.empty(shape, dtype=dtype, device="meta"))`` returns, built directly."""
-    numel = math.prod(shape)
-    n_blocks = numel // block_size
+    n_blocks = nf4_n_blocks(shape, block_size)
 
     def meta(size, inner_dtype):
         return torch.empty(size, dtype=inner_dtype, device="meta")
@@ -334,7 +409,7 @@ def _meta_nf4(shape: torch.Size, dtype: torch.dtype, block_size: int, scaler_blo
         meta((n_blocks,), torch.int8),  # quantized_scalers
         meta((n_blocks // scaler_block_size,), dtype),  # quantization_factor
         meta((), dtype),  # scaler_mean
-        meta((numel // 2,), torch.uint8),  # quantized_data: two codes per byte
+        meta((n_blocks * block_size // 2,), torch.uint8),  # quantized_data: two codes per byte
         meta((16,), dtype),  # nf4 table
     )
 
@@ -392,6 +467,17 @@ def dequantize_nf4(weight: NF4Tensor, dtype: Optional[torch.dtype] = None) -> to
         return dequantize_nf4(weight.t(), dtype).t()
     if weight.is_meta:
         return torch.empty(weight.shape, dtype=out_dtype, device=weight.device)
+    if weight.quantized_data.numel() * 2 != weight.numel():
+        # The last block is padded: decode whole blocks, then drop the padding (n_blocks is not trusted: FSDP's
+        # all-gather keeps a shard's).
+        padded = torch.empty(
+            weight.quantized_data.numel() * 2 // weight.block_size,
+            weight.block_size,
+            dtype=out_dtype,
+            device=weight.device,
+        )
+        _dequantize_into(weight, padded)
+        return padded.view(-1)[: weight.numel()].view(weight.shape).clone()
     if weight.device.type == "cpu":
         out = empty_with_huge_pages(weight.shape, out_dtype)
     else:
@@ -403,7 +489,7 @@ def dequantize_nf4(weight: NF4Tensor, dtype: Optional[torch.dtype] = None) -> to
 def _dequantize_into(weight: NF4Tensor, out_blocks: torch.Tensor) -> None:
     """Writes ``dequantize_nf4(weight)`` into ``out_blocks`` of shape ``(n_blocks, block_size)``."""
     scalers = dequantize_nf4_scalers(weight)
-    # numel is a multiple of 64 * 256, so the packed bytes always pair up; block_size is a multiple of 4.
+    # Whole (padded) blocks and a block_size divisible by 4, so the packed bytes always pair up.
     packed = weight.quantized_data.view(torch.uint16)
     n_blocks, block_size = out_blocks.shape
     quads = block_size // 4

@@ -80,6 +80,7 @@ from torchtune_ext.distributed import (
     all_reduce_grads,
     all_reduce_sum,
     check_dataset_size,
+    check_nf4_sharding,  # [issue 23]
     clip_grad_norm_,
     get_full_optimizer_state,
     get_full_state_dict,
@@ -341,6 +342,7 @@ class QLoRARecipe(FTRecipeInterface):
         # [issue 18] merged_dtype: the merged export's dtype (default: the base checkpoint's)
         self._merged_dtype = dtype_or_checkpoints(cfg.get("merged_dtype", None), self._checkpointer.hf_config)
         self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
+        check_nf4_sharding(self._model, self.world_size)  # [issue 23] refuse/report NF4 layouts before any load
         self._checkpointer.validate(self._model, builder=cfg.model.get("_component_"))  # [issue 24] names the builder
         self._tokenizer = build_tokenizer(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)

@@ -33,7 +33,7 @@ from torchtune_ext.models import (
     qlora_tiny_llama,
     qlora_tiny_qwen,
 )
-from torchtune_ext.nf4 import to_nf4
+from torchtune_ext.nf4 import NF4Tensor, nf4_scaler_block_size, to_nf4
 
 # All attention projections get LoRA: torchtune's qwen2 builder leaves a non-LoRA output_proj dense even with
 # quantize_base=True (ours quantizes every linear in the layers), so only this choice compares like with like.
@@ -128,6 +128,21 @@ def test_plan_shards_respects_the_limit_and_order():
 # ------------------------------------------------------------------------------------------------ loading
 
 
+def _nf4(dense: torch.Tensor) -> torch.Tensor:
+    """torchao's NF4 round trip in our per-shape scale groups (torchao's 256 where they split over 8 ranks)."""
+    return to_nf4(dense, 64, nf4_scaler_block_size(dense.shape)).get_original_weight()
+
+
+def _per_shape_scale_groups_(model: torch.nn.Module) -> None:
+    """Gives torchtune's NF4 weights our per-shape scale groups; loading a dense weight then quantizes in them
+    (torchao's ``copy_`` keeps the target's block sizes)."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, NF4Tensor):
+            fresh = to_nf4(torch.zeros(weight.shape, dtype=weight.dtype), 64, nf4_scaler_block_size(weight.shape))
+            module.weight = torch.nn.Parameter(fresh, requires_grad=False)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen"])
 def test_streamed_load_equals_torchtunes_checkpointer_and_quantization(bases, tmp_path, family):
     """Our model after streaming equals torchtune's quantize_base model loaded by FullModelHFCheckpointer."""
@@ -138,6 +153,7 @@ def test_streamed_load_equals_torchtunes_checkpointer_and_quantization(bases, tm
     ).load_checkpoint()[training.MODEL_KEY]
     with training.set_default_dtype(torch.float32):
         reference = torchtune_builder(**LORA, quantize_base=True)
+    _per_shape_scale_groups_(reference)
     reference.load_state_dict(state, strict=False)
     reference.load_state_dict({k: v for k, v in ours.state_dict().items() if "lora" in k}, strict=False)
     for b in (ours.layers[0].attn.q_proj.lora_b, ours.layers[1].mlp.w2.lora_b):
@@ -154,7 +170,7 @@ def test_bf16_checkpoint_into_fp32_model_quantizes_in_fp32(bases, tmp_path):
     for key in ("layers.0.attn.q_proj.weight", "layers.1.mlp.w1.weight", "layers.0.attn.output_proj.weight"):
         param = ours.get_parameter(key)
         assert param.dtype == torch.float32 and not param.requires_grad
-        expected = to_nf4(tune[key].float()).get_original_weight()
+        expected = _nf4(tune[key].float())
         torch.testing.assert_close(param.get_original_weight(), expected, rtol=0, atol=0)
     assert ours.tok_embeddings.weight.dtype == torch.float32
     assert torch.equal(ours.tok_embeddings.weight, tune["tok_embeddings.weight"].float())
@@ -307,13 +323,11 @@ def test_save_writes_peft_adapter_and_merged_model(bases, tmp_path, family):
         assert value.dtype == torch.bfloat16
         reference = hf_base[hf_key]
         if hf_key.endswith("proj.weight"):
-            reference = to_nf4(reference).get_original_weight()
+            reference = _nf4(reference)
             if family == "llama" and hf_key.split(".")[-2] in ("q_proj", "k_proj"):
                 # NF4 blocks run along torchtune's (permuted) rows: quantize in that layout, as the model does.
                 tune_key, tune_w = HFConverter.for_model("LLAMA3_2", model).to_tune(hf_key, hf_base[hf_key])
-                reference = HFConverter.for_model("LLAMA3_2", model).to_hf(
-                    tune_key, to_nf4(tune_w).get_original_weight()
-                )[1]
+                reference = HFConverter.for_model("LLAMA3_2", model).to_hf(tune_key, _nf4(tune_w))[1]
             prefix = "base_model.model." + hf_key[: -len(".weight")]
             if f"{prefix}.lora_A.weight" in peft:
                 reference = reference + 2.0 * peft[f"{prefix}.lora_B.weight"] @ peft[f"{prefix}.lora_A.weight"]

@@ -278,7 +278,7 @@ def test_quantize_nf4_is_bit_identical_to_torchao(dtype):
         every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
         weights["every_value"] = _blocks_with_unit_absmax(every[every.abs() <= 1])
     for name, dense in weights.items():
-        _assert_same_nf4(quantize_nf4(dense), to_nf4(dense), name)
+        _assert_same_nf4(quantize_nf4(dense, scaler_block_size=256), to_nf4(dense), name)
 
 
 def test_quantize_nf4_has_no_autograd_history():
@@ -323,12 +323,13 @@ def test_frozen_nf4_linear_forward_and_state_dict(dtype):
 
 
 def test_nf4_incompatible_shape_raises_clear_error():
-    with pytest.raises(ValueError, match=r"\(100, 300\).*block_size=64.*scaler_block_size=256.*divisible by"):
-        FrozenNF4Linear(300, 100)
-    with pytest.raises(ValueError, match=r"\(128, 256\).*block_size=128.*scaler_block_size=512.*= 65536"):
+    # Any 2-D shape quantizes with the per-shape scaler block size; an explicit one must divide the block count.
+    with pytest.raises(ValueError, match=r"\(100, 300\).*469 blocks.*scaler_block_size=256.*scaler_block_size=None"):
+        FrozenNF4Linear(300, 100, scaler_block_size=256)
+    with pytest.raises(ValueError, match=r"\(128, 256\).*256 blocks of block_size=128.*scaler_block_size=512"):
         FrozenNF4Linear(256, 128, block_size=128, scaler_block_size=512)
-    with pytest.raises(ValueError, match=r"\(100, 64\)"):
-        LoRALinear(64, 100, rank=4, alpha=8, quantize_base=True)
+    with pytest.raises(ValueError, match=r"\(100, 64\).*scaler_block_size=256"):
+        LoRALinear(64, 100, rank=4, alpha=8, quantize_base=True, scaler_block_size=256)
     with pytest.raises(ValueError, match=r"\(16384,\).*2-D"):
         quantize_nf4(torch.zeros(16384))
 

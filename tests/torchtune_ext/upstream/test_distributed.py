@@ -247,15 +247,15 @@ QLORA_KWARGS = {
 
 def _torchtune_base_init_(model: nn.Module) -> None:
     """Redraws every NF4 base weight as torchtune's ``lora_llama2(quantize_base=True)`` draws it: ``nn.Linear``'s
-    kaiming-uniform init, then NF4. (Our builders draw N(0, 0.02); re-quantizing a dequantized NF4 weight, which the
-    test's deepcopy and save/load round trip do, gives back the same values within fp32 tolerance for the former
-    only.)"""
+    kaiming-uniform init, then NF4 in the layer's own scale groups. (Our builders draw N(0, 0.02); re-quantizing a
+    dequantized NF4 weight, which the test's deepcopy and save/load round trip do, gives back the same values
+    within fp32 tolerance for the former only.)"""
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(weight, NF4Tensor):
             dense = torch.empty(weight.shape, dtype=weight.dtype)
             nn.init.kaiming_uniform_(dense, a=math.sqrt(5))
-            module.weight = nn.Parameter(to_nf4(dense), requires_grad=False)
+            module.weight = nn.Parameter(to_nf4(dense, 64, weight.scaler_block_size), requires_grad=False)
 
 
 def _qlora_model(device: str) -> nn.Module:

@@ -76,7 +76,7 @@ def prune_state_dict(
 def _full_rows(
     key: str, pruned: torch.Tensor, base: Optional[torch.Tensor], kept: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
-    """``base`` (or zeros) with the rows at ``kept`` replaced by ``pruned``, in the base's dtype."""
+    """``base`` (or zeros) with the rows at ``kept`` replaced by ``pruned``, in the wider of the two dtypes."""
     if pruned.shape[0] != kept.numel():
         raise ValueError(
             f"state_dict[{key!r}] has {pruned.shape[0]} rows but there are {kept.numel()} kept ids; are these "
@@ -85,7 +85,7 @@ def _full_rows(
     if base is None:
         full = pruned.new_zeros((vocab_size, *pruned.shape[1:]))
     else:
-        full = dense_copy(base, base.dtype).clone()
+        full = dense_copy(base, torch.promote_types(base.dtype, pruned.dtype)).clone()  # [issue 23] trained precision
         if tuple(full.shape[1:]) != tuple(pruned.shape[1:]) or full.shape[0] != vocab_size:
             raise ValueError(
                 f"base tensor for {key!r} has shape {tuple(full.shape)}, incompatible with the pruned "
