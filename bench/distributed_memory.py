@@ -46,7 +46,7 @@ def _layer_nf4_bytes(cfg, world_size: int):
     """(bytes of the decoder layers' NF4 weights, of the largest layer's, of those kept whole on every rank)."""
     from torchtune import config as tt_config
 
-    from torchtune_ext.distributed._nf4_sharding import check_nf4_sharding, nf4_nbytes
+    from torchtune_ext.distributed import check_nf4_sharding, nf4_nbytes
     from torchtune_ext.nf4 import NF4Tensor
 
     model = tt_config.instantiate(cfg.model, device="meta")
