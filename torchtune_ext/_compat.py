@@ -34,6 +34,8 @@ The finder also lists this package's recipes and configs in torchtune's recipe r
 ``torchtune._recipe_registry`` is imported (:func:`_register_recipes`), so torchtune's own ``tune ls``, ``tune cp``
 and ``tune run <recipe> --config <config>`` know them by name from any folder; and it silences, narrowly, three
 start-up warnings nobody can act on, each where it is emitted (:func:`_quiet_known_warnings`, which says why).
+As ``torchtune._cli.run`` is imported it makes ``tune run --nproc_per_node N`` exit 130/143 without torchrun's
+traceback when interrupted (:func:`_exit_like_interrupted_workers`, which says why).
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import signal
 import sys
 import types
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
 
 if TYPE_CHECKING:
     import logging
@@ -65,6 +68,7 @@ _NF4_EXPORTS = (
 
 _applied = False
 _REGISTRY = "torchtune._recipe_registry"
+_RUN = "torchtune._cli.run"
 
 
 def _removed(name: str, release: str) -> Callable[..., Any]:
@@ -256,8 +260,51 @@ def _register_recipes(registry: types.ModuleType) -> None:
     recipes[:0] = ours
 
 
+def _exit_like_interrupted_workers(run_module: types.ModuleType) -> None:
+    """Wraps torchtune's distributed launch (``Run._run_distributed``, which calls torchrun) so that an interrupt
+    ends ``tune run --nproc_per_node N`` with the conventional exit code and no traceback.
+
+    Why: our workers save on SIGINT/SIGTERM and exit ``128 + signal`` (:mod:`torchtune_ext.training._interrupt`),
+    but torchrun turns both ways an interrupt reaches it into a traceback and exit code 1: a signal to the launcher
+    itself (a terminal's Ctrl-C reaches the whole process group; a runtime's SIGTERM) raises its ``SignalException``
+    after it has forwarded the signal and waited for the workers, and workers that exited 130/143 are a
+    ``ChildFailedError`` with its failure block. Here the first exits ``128 + signal`` quietly, the second exits
+    with the workers' code when every failed worker exited with the same 130 or 143. Any other failure is
+    torchrun's, unchanged. Idempotent."""
+    import functools
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    launch = run_module.Run._run_distributed
+    if getattr(launch, "_exits_like_interrupted_workers", False):
+        return
+
+    @functools.wraps(launch)
+    def run_distributed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return launch(self, *args, **kwargs)
+        except SignalException as error:
+            sys.exit(128 + int(error.sigval))
+        except ChildFailedError as error:
+            codes = {failure.exitcode for failure in error.failures.values()}
+            if len(codes) == 1 and codes <= {128 + int(s) for s in (signal.SIGINT, signal.SIGTERM)}:
+                sys.exit(codes.pop())
+            raise
+
+    run_distributed._exits_like_interrupted_workers = True  # type: ignore[attr-defined]
+    run_module.Run._run_distributed = run_distributed
+
+
+#: the torchtune modules given a registration as they are imported (or at once, where already imported).
+_ON_IMPORT: Dict[str, Callable[[types.ModuleType], None]] = {
+    _REGISTRY: _register_recipes,
+    _RUN: _exit_like_interrupted_workers,
+}
+
+
 class _ThenRegister(importlib.abc.Loader):
-    """torchtune's registry module, loaded by its own loader, then given our recipes."""
+    """A torchtune module of :data:`_ON_IMPORT`, loaded by its own loader, then given its registration."""
 
     def __init__(self, loader: importlib.abc.Loader):
         self._loader = loader
@@ -267,11 +314,11 @@ class _ThenRegister(importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._loader.exec_module(module)
-        _register_recipes(module)
+        _ON_IMPORT[module.__name__](module)
 
 
-def _registry_spec(path: Optional[Sequence[str]]) -> Optional[importlib.machinery.ModuleSpec]:
-    spec = importlib.machinery.PathFinder.find_spec(_REGISTRY, path)
+def _registering_spec(fullname: str, path: Optional[Sequence[str]]) -> Optional[importlib.machinery.ModuleSpec]:
+    spec = importlib.machinery.PathFinder.find_spec(fullname, path)
     if spec is None or spec.loader is None:
         return None
     spec.loader = _ThenRegister(spec.loader)
@@ -311,8 +358,8 @@ class _CompatFinder(importlib.abc.MetaPathFinder):
             apply()
         elif fullname == "torchao":
             _quiet_known_warnings()
-        elif fullname == _REGISTRY:
-            return _registry_spec(path)
+        elif fullname in _ON_IMPORT:
+            return _registering_spec(fullname, path)
         elif fullname == "recipes":
             return _local_recipes_spec()
         elif fullname == _NF4_MODULES[0] and importlib.machinery.PathFinder.find_spec(fullname, path) is None:
@@ -372,8 +419,9 @@ def install_import_hook() -> None:
         sys.meta_path.insert(0, _CompatFinder())
     if "torchtune" in sys.modules:
         apply()
-    if _REGISTRY in sys.modules:
-        _register_recipes(sys.modules[_REGISTRY])
+    for name, register in _ON_IMPORT.items():
+        if name in sys.modules:
+            register(sys.modules[name])
 
 
 def __getattr__(name: str) -> Any:

@@ -5,8 +5,8 @@ run printed, run as printed.
 - 2 gloo ranks: SIGINT to the whole process group (a terminal's Ctrl-C: the launcher and both workers get it, and
   the launcher forwards it to the workers once more), and SIGTERM to one worker only (rank 0 or 1, drawn).
 
-Each interrupted run: exits with 128 + signal (the recipe process; under torchrun every worker, which the
-launcher reports), saved a resumable checkpoint of the step it stopped at (adapter and recipe state, no merged
+Each interrupted run: exits with 128 + signal (the recipe process; under torchrun the launcher too, without a
+traceback of its own), saved a resumable checkpoint of the step it stopped at (adapter and recipe state, no merged
 model mid-epoch), and printed that step and the resume command. The resumed run's losses continue the interrupted
 run's, the losses of both together equal an uninterrupted run's step for step, so does the final adapter (fp32,
 1e-5), and all of it is in one TensorBoard run folder.
@@ -151,13 +151,10 @@ def _interrupt_and_resume(tmp_path: Path, base: Path, reference: Path, sig: int,
     rc = run.wait()
     output = run.output
     name = signal.Signals(sig).name
-    if nproc:
-        assert rc != 0, "the launcher exited 0 after an interrupt"
-        if target != "group":  # the launcher reports its workers' exit codes (interrupted itself, it re-raises)
-            codes = [int(c) for c in re.findall(r"exitcode\s*: (-?\d+) \(pid", output)]
-            assert sorted(codes) == [128 + sig] * nproc, (codes, output[-4000:])
-    else:
-        assert rc == 128 + sig, f"rc {rc}:\n{output[-4000:]}"
+    assert rc == 128 + sig, f"rc {rc}:\n{output[-4000:]}"
+    if nproc:  # the launcher exits like its workers, without torchrun's traceback or failure block
+        for torchrun_noise in ("Traceback", "SignalException", "ChildFailedError", "exitcode  :"):
+            assert torchrun_noise not in output, output[-4000:]
     assert_no_leftovers([run])
 
     match = re.search(rf"Interrupted by {name} after step (\d+) \(epoch (\d+), batch (\d+)\).*\n  (.+)\n", output)
