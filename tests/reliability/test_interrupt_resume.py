@@ -102,9 +102,9 @@ def _losses(out: Path) -> Dict[int, float]:
 
 
 def _uninterrupted(root: Path, base: Path, nproc: int) -> Path:
-    """An uninterrupted run that saves every step's adapter (saving changes nothing in the training)."""
+    """An uninterrupted run that saves and keeps every step's adapter (saving changes nothing in the training)."""
     out = root / "uninterrupted"
-    check_ok(_start(out, base, nproc, ["save_every_n_steps=1"]))
+    check_ok(_start(out, base, nproc, ["save_every_n_steps=1", "keep_last_n_checkpoints=null"]))
     assert sorted(_losses(out)) == list(range(1, STEPS + 1))
     return out
 

@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
 from torchtune_ext.checkpoint._atomic import atomic_save
+from torchtune_ext.config import ConfigError
 
 log = utils.get_logger("INFO")
 
@@ -254,12 +255,13 @@ class DataPosition:
         (rank ``r`` takes indices ``r, r + W, ...`` of the shuffled order).
 
         Raises:
-            ValueError: if the position does not split over ``world_size`` ranks (another global batch).
+            ConfigError: if the position does not split over ``world_size`` ranks (another global batch).
         """
         if self.samples_consumed % world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"The recipe state is at sample {self.samples_consumed} of the epoch, which does not split over "
-                f"{world_size} ranks; resume with the saved global_batch_size."
+                f"{world_size} ranks; resume with the saved global_batch_size.",
+                "global_batch_size",
             )
         return self.samples_consumed // world_size
 
@@ -430,17 +432,18 @@ class RecipeState:
             List[str]: lines to log: the allowed changes, and where the run resumes (or that it had finished).
 
         Raises:
-            ValueError: listing every difference in what defines the run.
+            ConfigError: listing every difference in what defines the run.
         """
         changed = differences(self.identity, run.identity)
         if self.kept_ids != kept_ids:
             changed.append("vocab_pruning kept token ids: differ (another data set or kept_ids file)")
         if changed:
-            raise ValueError(
+            raise ConfigError(
                 f"resume_from_checkpoint=True, but this run is not the one saved in {self.source} (step "
                 f"{self.global_step}); it differs in what defines the run:\n  "
                 + "\n  ".join(changed + _batch_hint(self.identity, run.identity))
-                + "\nResume with the saved values, or start a new run in another output_dir."
+                + "\nResume with the saved values, or start a new run in another output_dir.",
+                "resume_from_checkpoint",
             )
         lines = []
         allowed = differences(self.settings, run.settings)
@@ -503,13 +506,14 @@ class RecipeState:
         """Puts a ``StatefulDistributedSampler`` of this run (any number of ranks) at the saved global sample.
 
         Raises:
-            ValueError: if the sampler's seed or shuffle differ from the saved ones.
+            ConfigError: if the sampler's seed or shuffle differ from the saved ones.
         """
         position = self.position
         if (sampler.seed, bool(sampler.shuffle)) != (position.seed, position.shuffle):
-            raise ValueError(
+            raise ConfigError(
                 f"The data sampler (seed {sampler.seed}, shuffle {sampler.shuffle}) differs from the saved one "
-                f"(seed {position.seed}, shuffle {position.shuffle}): resume with the saved seed and shuffle."
+                f"(seed {position.seed}, shuffle {position.shuffle}): resume with the saved seed and shuffle.",
+                "seed",
             )
         sampler.load_state_dict({"yielded": position.per_rank_start(world_size)})
 

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torchtune.modules.peft import get_adapter_params
 
+from torchtune_ext.config import ConfigError
+
 PathLike = Union[str, Path]
 
 #: how many step folders a run keeps unless its config says otherwise.
@@ -34,13 +36,14 @@ def parse_keep_last_n(value: Any) -> Optional[int]:
         Optional[int]: the count, None to keep all.
 
     Raises:
-        ValueError: on anything else.
+        ConfigError: on anything else.
     """
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
-    raise ValueError(
+    raise ConfigError(
         f"keep_last_n_checkpoints={value!r} must be a positive integer (the newest step folders kept; default "
-        f"{DEFAULT_KEEP_LAST_N}) or null to keep every one."
+        f"{DEFAULT_KEEP_LAST_N}) or null to keep every one.",
+        "keep_last_n_checkpoints",
     )
 
 

@@ -11,6 +11,8 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from torchtune_ext.config import ConfigError
+
 #: device type -> process-group backend.
 BACKENDS: Dict[str, str] = {"cuda": "nccl", "cpu": "gloo", "xpu": "xccl", "hpu": "hccl"}
 
@@ -131,16 +133,17 @@ def per_rank_batch_size(batch_size: int, global_batch_size: Optional[int], world
         int: the per-rank batch size.
 
     Raises:
-        ValueError: if ``global_batch_size`` is not a multiple of ``world_size``, or disagrees with ``batch_size``.
+        ConfigError: if ``global_batch_size`` is not a multiple of ``world_size``, or disagrees with ``batch_size``.
     """
     if global_batch_size is None:
         if batch_size is None or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be a positive integer (samples per rank).")
+            raise ConfigError(f"batch_size={batch_size} must be a positive integer (samples per rank).", "batch_size")
         return int(batch_size)
     if global_batch_size < world_size or global_batch_size % world_size:
-        raise ValueError(
+        raise ConfigError(
             f"global_batch_size={global_batch_size} cannot be split evenly over {world_size} ranks "
-            f"(--nproc_per_node x nnodes); use a multiple of {world_size} or change --nproc_per_node."
+            f"(--nproc_per_node x nnodes); use a multiple of {world_size} or change --nproc_per_node.",
+            "global_batch_size",
         )
     return global_batch_size // world_size
 
@@ -154,11 +157,12 @@ def check_dataset_size(num_samples: int, batch_size: int, world_size: int) -> No
         world_size (int): number of ranks.
 
     Raises:
-        ValueError: if the data set has fewer than ``batch_size * world_size`` samples.
+        ConfigError: if the data set has fewer than ``batch_size * world_size`` samples.
     """
     if num_samples < batch_size * world_size:
-        raise ValueError(
+        raise ConfigError(
             f"the training set has {num_samples} samples, fewer than one batch per rank ({world_size} ranks x "
             f"batch_size {batch_size} = {batch_size * world_size}): use fewer processes (--nproc_per_node), a "
-            "smaller batch_size or more data."
+            "smaller batch_size or more data.",
+            "batch_size",
         )

@@ -75,7 +75,7 @@ from torchtune_ext.checkpoint import (  # [issue 17] output-dir checks; [issue 2
     read_hf_config,
     remove_old_checkpoints,
 )
-from torchtune_ext.config import check_config  # [issue 17]
+from torchtune_ext.config import ConfigError, check_config  # [issue 17]
 from torchtune_ext.distributed import (
     all_reduce_grads,
     all_reduce_sum,
@@ -242,10 +242,11 @@ class QLoRARecipe(FTRecipeInterface):
         self._merge_every_epoch = bool(cfg.get("merge_every_epoch", False))  # [issue 25]
         self._merge_base = cfg.get("merge_base", "nf4")
         if self._merge_base not in MERGE_BASES:
-            raise ValueError(
+            raise ConfigError(  # [issue 17] a config error: one line, exit code 2
                 f"merge_base={self._merge_base!r} is not supported; use merge_base=nf4 (merge onto the NF4 base the "
                 "adapter was trained on: exactly the trained model) or merge_base=original (onto the checkpoint's "
-                "own weights)."
+                "own weights).",
+                "merge_base",
             )
         self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
         self._enable_activation_offloading = cfg.get("enable_activation_offloading", False)
@@ -364,10 +365,11 @@ class QLoRARecipe(FTRecipeInterface):
                     check_dataset_size(len(data), self._batch_size, self.world_size)
         batches = len(dataset) // (self._batch_size * self.world_size)
         if batches < self._gradient_accumulation_steps:
-            raise ValueError(
+            raise ConfigError(  # [issue 17] an input error: one line, exit code 2
                 f"The data set gives {batches} batches of batch_size={self._batch_size}"
                 + (" per rank" if self.world_size > 1 else "")
-                + f", fewer than gradient_accumulation_steps={self._gradient_accumulation_steps}: lower either."
+                + f", fewer than gradient_accumulation_steps={self._gradient_accumulation_steps}: lower either.",
+                "gradient_accumulation_steps",
             )
 
     def _check_samples_have_labels(self, dataset: Any, max_seq_len: Optional[int], limit: int = 64) -> None:
@@ -377,9 +379,10 @@ class QLoRARecipe(FTRecipeInterface):
         count = min(len(dataset), limit)
         empty = [i for i in range(count) if all(int(label) == ignore_index for label in dataset[i]["labels"])]
         if count and len(empty) == count:
-            raise ValueError(
+            raise ConfigError(  # [issue 17] an input error: one line, exit code 2
                 f"None of the first {count} samples of the data set keeps a label token after truncation to "
-                f"tokenizer.max_seq_len={max_seq_len}: their prompts are longer. Raise tokenizer.max_seq_len."
+                f"tokenizer.max_seq_len={max_seq_len}: their prompts are longer. Raise tokenizer.max_seq_len.",
+                "tokenizer.max_seq_len",
             )
         if empty and self._is_rank_zero:
             log.warning(

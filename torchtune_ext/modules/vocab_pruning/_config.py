@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from omegaconf import DictConfig
 
 from torchtune_ext._dtype import parse_dtype
+from torchtune_ext.config import ConfigError, ConfigFileNotFoundError
 from torchtune_ext.distributed import VOCAB_PRUNING_SHARDING
 from torchtune_ext.modules.vocab_pruning._kept_ids import (
     estimate_scan_seconds,
@@ -36,17 +37,20 @@ def parse_vocab_pruning(section: Optional[DictConfig]) -> Optional[Dict[str, Any
         Optional[Dict[str, Any]]: the settings, None when pruning is off.
 
     Raises:
-        ValueError: on an unknown key, dtype or sharding.
+        ConfigError: on an unknown key, dtype or sharding.
     """
     if section is None or not section.get("enabled", True):
         return None
     unknown = sorted(set(section) - set(VOCAB_PRUNING_KEYS))
     if unknown:
-        raise ValueError(f"vocab_pruning has unknown key(s) {unknown}; known keys: {sorted(VOCAB_PRUNING_KEYS)}.")
+        raise ConfigError(
+            f"vocab_pruning has unknown key(s) {unknown}; known keys: {sorted(VOCAB_PRUNING_KEYS)}.", "vocab_pruning"
+        )
     sharding = section.get("sharding", "sharded")
     if sharding not in VOCAB_PRUNING_SHARDING:
-        raise ValueError(
-            f"vocab_pruning.sharding={sharding!r} is not supported; use one of {list(VOCAB_PRUNING_SHARDING)}."
+        raise ConfigError(
+            f"vocab_pruning.sharding={sharding!r} is not supported; use one of {list(VOCAB_PRUNING_SHARDING)}.",
+            "vocab_pruning.sharding",
         )
     return {
         "kept_ids": section.get("kept_ids", None),
@@ -80,10 +84,12 @@ def resolve_kept_ids(
         List[int]: the kept ids, validated.
 
     Raises:
-        ValueError: on invalid ids (out of range, duplicates) or an unreadable file.
+        ConfigError: on a ``source`` file that is missing (also a ``FileNotFoundError``), unreadable or holds invalid
+            ids (out of range, duplicates), naming ``vocab_pruning.kept_ids``.
+        ValueError: on invalid scanned ids.
     """
     if source is not None:
-        ids = load_kept_ids(source, vocab_size=vocab_size)
+        ids = _load_configured_kept_ids(source, vocab_size)
     else:
         ids = load_scanned_kept_ids(scanned, vocab_size, datasets) if scanned is not None else None
         if ids is None:
@@ -91,6 +97,17 @@ def resolve_kept_ids(
             ids = scan_kept_ids(datasets, vocab_size, always_keep=special)
     validate_kept_ids(ids, vocab_size)
     return list(ids)
+
+
+def _load_configured_kept_ids(source: str, vocab_size: int) -> List[int]:
+    """The ids of the ``vocab_pruning.kept_ids`` file; its errors are config errors naming the key."""
+    key = "vocab_pruning.kept_ids"
+    try:
+        return load_kept_ids(source, vocab_size=vocab_size)
+    except FileNotFoundError as err:
+        raise ConfigFileNotFoundError(f"{key}={source!r}: {err}", key) from err
+    except ValueError as err:
+        raise ConfigError(f"{key}={source!r}: {err}", key) from err
 
 
 def scan_estimate_line(
