@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 from torchtune import config
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from torchtune_ext.config import exit_on_config_error
+from torchtune_ext.config import ConfigError, exit_on_config_error
 from torchtune_ext.distributed import (
     check_fsdp_cpu_offload,
     destroy_distributed,
@@ -123,9 +123,10 @@ def recipe_main(cfg: DictConfig) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         config.log_config(recipe_name="QLoRAFinetuneRecipeDistributed", cfg=cfg)
     if cfg.get("dry_run", False):
-        raise ValueError(
+        raise ConfigError(
             "dry_run=True estimates one device's memory: run it with recipes/qlora_finetune_single_device.py (the "
-            "same config keys); a sharded run holds less per rank."
+            "same config keys); a sharded run holds less per rank.",
+            "dry_run",
         )
     recipe = QLoRAFinetuneRecipeDistributed(cfg=cfg)
     init_distributed(recipe._device, recipe._process_group_timeout_s)

@@ -269,13 +269,18 @@ def _exit_like_interrupted_workers(run_module: types.ModuleType) -> None:
     itself (a terminal's Ctrl-C reaches the whole process group; a runtime's SIGTERM) raises its ``SignalException``
     after it has forwarded the signal and waited for the workers, and workers that exited 130/143 are a
     ``ChildFailedError`` with its failure block. Here the first exits ``128 + signal`` quietly, the second exits
-    with the workers' code when every failed worker exited with the same 130 or 143. Any other failure is
-    torchrun's, unchanged. Idempotent."""
+    with the workers' code when every failed worker exited with the same 130 or 143. Workers that all exited 2
+    (:data:`torchtune_ext.config.CONFIG_ERROR_EXIT_CODE`: rank 0 printed the config error's line, see
+    ``exit_on_config_error``) end the same way, so a config error is one line under torchrun too. Any other
+    failure is torchrun's, unchanged. Idempotent."""
     import functools
 
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE
+
+    quiet_codes = {CONFIG_ERROR_EXIT_CODE, *(128 + int(s) for s in (signal.SIGINT, signal.SIGTERM))}
     launch = run_module.Run._run_distributed
     if getattr(launch, "_exits_like_interrupted_workers", False):
         return
@@ -288,7 +293,7 @@ def _exit_like_interrupted_workers(run_module: types.ModuleType) -> None:
             sys.exit(128 + int(error.sigval))
         except ChildFailedError as error:
             codes = {failure.exitcode for failure in error.failures.values()}
-            if len(codes) == 1 and codes <= {128 + int(s) for s in (signal.SIGINT, signal.SIGTERM)}:
+            if len(codes) == 1 and codes <= quiet_codes:
                 sys.exit(codes.pop())
             raise
 

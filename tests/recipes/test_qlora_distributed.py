@@ -23,6 +23,8 @@ from conftest import run_distributed
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE, ConfigError
+
 pytestmark = [pytest.mark.integration_test, pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -273,7 +275,7 @@ def _bad_input_worker(rank: int, world_size: int, base: str, tmp: str) -> None:
     for name, (extra, message) in cases.items():
         out = tmp / name
         cfg = _recipe_cfg(out, base, extra)
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ConfigError, match=message):  # one line, exit code 2 (exit_on_config_error)
             recipe = QLoRAFinetuneRecipeDistributed(cfg)
             recipe.setup(cfg)
         assert not out.exists(), f"{name}: {sorted(p.name for p in out.iterdir())} written before the error"
@@ -322,8 +324,10 @@ def test_cli_error_exits_without_hanging(base, tmp_path):
     out = tmp_path / "out"
     start = time.perf_counter()
     result = _tune_run(DIST_RECIPE, _overrides(out, base) + ["global_batch_size=5"], nproc=2)
-    assert result.returncode != 0
-    assert "global_batch_size=5 cannot be split evenly over 2 ranks" in result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert result.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
+    assert "global_batch_size=5 cannot be split evenly over 2 ranks" in output
+    assert "Traceback" not in output, output[-4000:]  # neither a rank's nor torchrun's
     assert time.perf_counter() - start < RUN_TIMEOUT_S
     assert not out.exists()
 

@@ -104,17 +104,19 @@ def check_fsdp_cpu_offload(fsdp_cpu_offload: bool, device: torch.device, world_s
         world_size (int): number of ranks.
 
     Raises:
-        ValueError: if offload is requested while training on the CPU or on one rank.
+        ConfigError: if offload is requested while training on the CPU or on one rank.
     """
     if fsdp_cpu_offload and device.type == "cpu":
-        raise ValueError(
+        raise ConfigError(
             "fsdp_cpu_offload=True needs an accelerator (it offloads params from the GPU to the host), but "
-            "device=cpu: set fsdp_cpu_offload=False (the params already live on the CPU) or train on device=cuda."
+            "device=cpu: set fsdp_cpu_offload=False (the params already live on the CPU) or train on device=cuda.",
+            "fsdp_cpu_offload",
         )
     if fsdp_cpu_offload and world_size == 1:
-        raise ValueError(
+        raise ConfigError(
             "fsdp_cpu_offload=True needs at least 2 ranks (one rank is not sharded): use --nproc_per_node 2 or more, "
-            "or set fsdp_cpu_offload=False."
+            "or set fsdp_cpu_offload=False.",
+            "fsdp_cpu_offload",
         )
 
 

@@ -20,6 +20,7 @@ from torchtune_ext.checkpoint import (
     previous_path,
 )
 from torchtune_ext.checkpoint._recipe_state import native_rng_state
+from torchtune_ext.config import ConfigError
 from torchtune_ext.data import write_tiny_checkpoint
 from torchtune_ext.training import rng_state, set_rng_state
 
@@ -139,8 +140,9 @@ def test_identity_lists_every_difference_and_allows_settings(base, tmp_path):
     current = _identity(changed_cfg, other_base / "model.safetensors", global_batch_size=16)
     state = _state(saved)
     state.source = Path("recipe_state.pt")
-    with pytest.raises(ValueError) as raised:
+    with pytest.raises(ConfigError) as raised:  # a config error: one line per problem, exit code 2
         state.check_resume(current, kept_ids=None, total_epochs=2, world_size=1)
+    assert raised.value.key == "resume_from_checkpoint"
     text = str(raised.value)
     assert "model.lora_alpha: 32 -> 4" in text and "global_batch_size: 8 -> 16" in text
     # Other weights of the same shapes: the same header, other data.
@@ -159,7 +161,7 @@ def test_identity_lists_every_difference_and_allows_settings(base, tmp_path):
         "Resuming with changed settings (allowed):\n  epochs: 1 -> 2\n  optimizer.lr: 0.003 -> 0.001",
         "Resumed at step 3, epoch 1, sample 24 of 64, on 1 rank; saved on 2.",
     ]
-    with pytest.raises(ValueError, match="vocab_pruning kept token ids"):
+    with pytest.raises(ConfigError, match="vocab_pruning kept token ids"):
         state.check_resume(same, kept_ids=[1, 2], total_epochs=2, world_size=1)
 
 
@@ -191,7 +193,7 @@ def test_the_global_position_gives_every_world_size_the_same_next_samples(saved_
     state = DataPosition(epoch=0, samples_consumed=consumed, dataset_size=64, seed=5, shuffle=True, world_size=2)
     resumed = batches(world, state.per_rank_start(world) * world)
     assert resumed == uninterrupted[consumed // global_batch :]
-    with pytest.raises(ValueError, match="global_batch_size"):
+    with pytest.raises(ConfigError, match="global_batch_size"):
         DataPosition(0, 12, 64, 5, True, 1).per_rank_start(8)
 
 

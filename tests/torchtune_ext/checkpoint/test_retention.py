@@ -17,6 +17,7 @@ from torchtune_ext.checkpoint import (
     remove_stale_temporaries,
     step_folders,
 )
+from torchtune_ext.config import ConfigError
 from torchtune_ext.data import write_tiny_checkpoint
 from torchtune_ext.models import qlora_tiny_llama
 from torchtune_ext.training import QLoRARecipe
@@ -57,7 +58,7 @@ def test_a_deletion_killed_midway_is_a_stale_temporary(tmp_path):
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
 def test_keep_last_n_must_be_positive(value):
-    with pytest.raises(ValueError, match="keep_last_n_checkpoints="):
+    with pytest.raises(ConfigError, match="keep_last_n_checkpoints="):
         parse_keep_last_n(value)
 
 
