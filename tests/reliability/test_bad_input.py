@@ -435,6 +435,17 @@ ONE_LINE_CASES = [
         id="missing_checkpoint_dir",
     ),
     pytest.param(["output_dir={a_file}/out"], ["/a_file/out' is not writable"], id="output_dir_below_a_file"),
+    pytest.param(["merge_base=fp8"], ["merge_base='fp8' is not supported; use merge_base=nf4"], id="merge_base"),
+    pytest.param(
+        ["dataset.num_samples=4", "batch_size=4", "gradient_accumulation_steps=2"],
+        ["The data set gives 1 batches of batch_size=4, fewer than gradient_accumulation_steps=2: lower either."],
+        id="too_few_batches",
+    ),
+    pytest.param(
+        ["vocab_pruning.enabled=True", "vocab_pruning.sharding=both"],
+        ["vocab_pruning.sharding='both' is not supported; use one of ['sharded', 'replicated']."],
+        id="vocab_pruning_sharding",
+    ),
 ]
 
 
@@ -461,9 +472,38 @@ def test_config_errors_print_one_line_each_and_exit_2(inputs, tmp_path, override
     assert not out.exists()
 
 
+def test_a_resume_that_differs_prints_its_lines_and_exits_2(inputs, tmp_path):
+    """The refusal of a resume into another run's state: one line per difference, exit 2, no traceback, and the
+    saved run left as it was."""
+    out = tmp_path / "out"
+    shutil.copytree(inputs["trained"], out)
+    before = snapshot(out)
+    same_run = [  # the trained run's settings (see `inputs`), but for the LoRA rank
+        f"output_dir={out}",
+        f"checkpointer.checkpoint_dir={inputs['base']}",
+        "dataset.num_samples=32",
+        "batch_size=4",
+        "max_steps_per_epoch=2",
+        "run_val_every_n_steps=null",
+        "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
+        f"metric_logger.log_dir={out}/logs",
+    ]
+    run = _recipe_run([*same_run, "resume_from_checkpoint=True", "model.lora_rank=8"], REPO)
+    output = run.stdout + run.stderr
+    assert run.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    prefix = "qlora_finetune_single_device: error: "
+    errors = [line[len(prefix) :] for line in output.splitlines() if line.startswith(prefix)]
+    assert errors[0].startswith("resume_from_checkpoint=True, but this run is not the one saved in "), errors
+    assert "  model.lora_rank: 16 -> 8" in errors, errors
+    assert errors[-1] == "Resume with the saved values, or start a new run in another output_dir.", errors
+    assert snapshot(out) == before
+
+
 @pytest.mark.distributed
 def test_a_config_error_on_2_ranks_prints_its_line_once(tmp_path):
-    """Every rank finds it before the process group starts; rank 0 prints it (torchrun then reports the failure)."""
+    """Every rank finds it before the process group starts; rank 0 prints it, and the launcher exits 2 like its
+    workers, without torchrun's traceback (torchtune_ext._compat)."""
     full_env = {**{k: v for k, v in os.environ.items() if k != TRACEBACK_ENV}, "OMP_NUM_THREADS": "1"}
     args = [str(TUNE), "run", "--standalone", "--nproc_per_node", "2", DIST_RECIPE, "--config", str(DIST_CONFIG)]
     out = tmp_path / "out"
@@ -472,7 +512,8 @@ def test_a_config_error_on_2_ranks_prints_its_line_once(tmp_path):
         timeout=RUN_TIMEOUT_S,
     )  # fmt: skip
     output = run.stdout + run.stderr
-    assert run.returncode != 0
+    assert run.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
     errors = [line for line in output.splitlines() if line.startswith("qlora_finetune_distributed: error: ")]
     assert errors == ["qlora_finetune_distributed: error: unknown key 'dtpye': did you mean 'dtype'?"], output[-4000:]
     assert "ConfigError" not in output  # no rank's traceback
