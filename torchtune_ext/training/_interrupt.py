@@ -147,7 +147,19 @@ class InterruptGuard:
         """
         if message:
             print(message, flush=True)
+        if _under_launcher():
+            self._ignore_signals_from_now_on()
         raise SystemExit(self.exit_code)
+
+    def _ignore_signals_from_now_on(self) -> None:
+        """A rank that saved and is leaving ignores SIGINT/SIGTERM: once one rank has exited, torchrun stops the
+        others with SIGTERM, which would kill a rank still tearing down (exit code -15, not 128 + signal, and a
+        failure block from the launcher). torchrun's SIGKILL after its shutdown timeout still ends a rank that
+        hangs."""
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
+        self._previous = {}
 
 
 def launch_command() -> List[str]:

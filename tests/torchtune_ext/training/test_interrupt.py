@@ -34,6 +34,24 @@ def test_first_signal_requests_a_stop(sig):
     assert signal.getsignal(sig) is before
 
 
+def test_a_rank_leaving_under_a_launcher_ignores_further_signals(monkeypatch):
+    """torchrun stops the other ranks with SIGTERM once one has exited: a rank that saved keeps its exit code."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as stop:
+            with InterruptGuard() as interrupt:
+                _send(signal.SIGINT)
+                assert interrupt.requested()
+                interrupt.exit()
+        assert stop.value.code == 130
+        assert signal.getsignal(signal.SIGINT) is signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        _send(signal.SIGTERM)  # the launcher's closing signal: ignored
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def test_handlers_installed_even_where_sigint_was_ignored():
     """A non-interactive shell starts background jobs with SIGINT ignored; the guard still saves on SIGINT."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
