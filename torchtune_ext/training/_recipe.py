@@ -104,7 +104,7 @@ from torchtune_ext.modules.vocab_pruning import (
     scan_estimate_line,
 )
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
-from torchtune_ext.training._export import check_run_folders, export_merged
+from torchtune_ext.training._export import check_run_folders, export_merged, merge_command
 from torchtune_ext.training._interrupt import (
     InterruptGuard,
     continued_metric_logger,
@@ -1163,7 +1163,23 @@ class QLoRARecipe(FTRecipeInterface):
             lines.append(f"  resumable state:     {self._checkpointer.output_dir / 'recipe_state'}")
         if log_dir is not None:
             lines.append(f"  TensorBoard logs:    {log_dir}  (tensorboard --logdir {log_dir})")
+        if checkpoint is not None:
+            lines += self._next_steps(checkpoint)
         return "\n".join(lines)
+
+    def _next_steps(self, checkpoint: Path) -> List[str]:
+        """What a user does with a finished run, as commands."""
+        base = self._checkpointer.checkpoint_dir
+        lines = [
+            "Next:",
+            f"  answer prompts:      tune-ext generate --config <model>/<size>_generation "
+            f'checkpointer.checkpoint_dir={base} adapter_dir={checkpoint / "adapter"} prompt="..." '
+            "(`tune-ext ls` lists the generation configs)",
+        ]
+        if not (checkpoint / "merged").is_dir():
+            lines.append(f"  merge it:            {merge_command(base, checkpoint)}")
+        lines.append("  train further:       the same command with resume_from_checkpoint=True and a larger epochs")
+        return lines
 
 
 def _peak_memory_line(memory: Dict[str, float]) -> str:
