@@ -895,7 +895,7 @@ class QLoRARecipe(FTRecipeInterface):
             rng_per_rank=[plain_rng_state(r) for r in rng],
             kept_ids=self._kept_ids,
             checkpoint=self._last_checkpoint.name,
-            metric_log_dir=getattr(self._metric_logger, "log_dir", None),  # [issue 17] continued on resume
+            metric_log_dir=_log_dir_name(self._metric_logger),  # [issue 17] continued on resume
         )
 
     def _rng_states(self) -> List[Dict[str, Any]]:
@@ -1195,3 +1195,9 @@ def _peak_memory_line(memory: Dict[str, float]) -> str:
         )
     parts.append(f"{peaks['peak_rss']:.2f} GiB host RSS")
     return " | ".join(parts) + (" (max over ranks)" if any("/" in key for key in memory) else "")
+
+
+def _log_dir_name(metric_logger: Any) -> Optional[str]:
+    """The metric logger's folder as a plain string (a recipe state holds plain data only), if it has one."""
+    log_dir = getattr(metric_logger, "log_dir", None)
+    return None if log_dir is None else str(log_dir)
