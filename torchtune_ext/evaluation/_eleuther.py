@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -164,11 +166,13 @@ def load_merged_model(merged_dir: str, dtype: torch.dtype, device: torch.device)
     files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"merged_dir={merged_dir}: no *.safetensors file there; give a merged HF folder.")
-    builder, args, model_type = torchtune_builder_for(read_hf_config(folder))
-    checkpointer = FullModelHFCheckpointer(str(folder), files, model_type, output_dir=str(folder))
+    lora_builder, args, model_type = torchtune_builder_for(read_hf_config(folder))
+    # the plain builder beside torchtune's lora_* one (lora_llama3_2 -> llama3_2), with the same arguments
+    builder = getattr(sys.modules[lora_builder.__module__], lora_builder.__name__.removeprefix("lora_"))
+    checkpointer = FullModelHFCheckpointer(str(folder), files, model_type, output_dir=tempfile.gettempdir())  # unused
     state = checkpointer.load_checkpoint()[training.MODEL_KEY]
     with training.set_default_dtype(dtype), device:
-        model = builder(**args, lora_attn_modules=[], lora_rank=8, lora_alpha=16)
+        model = builder(**args)
     model.load_state_dict(state)
     return model.eval().requires_grad_(False)
 
