@@ -35,8 +35,8 @@ def _error(*overrides: str, dry_run: bool = False) -> ConfigError:
     return raised.value
 
 
-# the training recipes' configs (the generation recipe reads other keys)
-TRAINING_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not p.stem.endswith("generation"))
+# the training recipes' configs (the generation and eleuther_eval recipes read other keys)
+TRAINING_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not p.stem.endswith(("generation", "eleuther_eval")))
 
 
 @pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=lambda p: p.stem)
