@@ -23,6 +23,8 @@ from typing import Dict, List, Optional
 
 from torchtune._cli.run import Run
 
+from torchtune_ext.export._gguf_cli import add_export_subcommand  # [issue 18]
+
 #: configs whose name contains this belong to the single-device recipe; the others to the distributed one.
 _SINGLE_DEVICE_MARK = "single_device"
 SINGLE_DEVICE_RECIPE = "qlora_finetune_single_device"
@@ -137,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--make-parents", action="store_true", help="create the destination's missing folders")
     cp.set_defaults(func=_cp)
     _RunOurs(subparsers)
+    add_export_subcommand(subparsers)  # [issue 18] tune-ext export gguf
     return parser
 
 

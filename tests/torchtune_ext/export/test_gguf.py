@@ -207,3 +207,17 @@ def test_llama_cpp_greedy_tokens_equal_transformers(models, tmp_path, family):
     assert _llama_cpp_greedy(f16, ids) == expected
     q8 = export_gguf(folder, tmp_path / "q8_0.gguf", "q8_0")
     assert _llama_cpp_greedy(q8, ids)[:8] == expected[:8]
+
+
+def test_cli_export_gguf(models, tmp_path, capsys):
+    from torchtune_ext.cli import main
+
+    out = tmp_path / "cli.gguf"
+    main(["export", "gguf", "--model", str(models["qwen"]), "--output", str(out), "--type", "q8_0"])
+    assert "Wrote" in capsys.readouterr().out
+    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == 7
+    with pytest.raises(SystemExit, match="architectures="):
+        bad = tmp_path / "bad"
+        shutil.copytree(models["qwen"], bad)
+        (bad / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+        main(["export", "gguf", "--model", str(bad), "--output", str(tmp_path / "bad.gguf")])
