@@ -86,17 +86,21 @@ def _safetensors_files(model_dir: Path) -> List[Path]:
     return files
 
 
-def _find_tokenizer(folder: Path) -> Tuple[str, Path]:
-    """Returns ("spm", folder) for a SentencePiece ``tokenizer.model``, ("bpe", folder) for a ``tokenizer.json``."""
-    if folder.is_file():
-        folder = folder.parent
-    if (folder / "tokenizer.model").is_file():
-        return "spm", folder
-    if (folder / "tokenizer.json").is_file():
-        return "bpe", folder
+def _find_tokenizer(path: Path) -> Tuple[str, Path]:
+    """Returns ("spm", the ``.model`` file) for SentencePiece, ("bpe", its folder) for a ``tokenizer.json``."""
+    if path.is_file():
+        if path.suffix == ".model":
+            return "spm", path
+        if path.name == "tokenizer.json":
+            return "bpe", path.parent
+        raise ValueError(f"--tokenizer {path}: expected a SentencePiece .model file, a tokenizer.json or a folder.")
+    if (path / "tokenizer.model").is_file():
+        return "spm", path / "tokenizer.model"
+    if (path / "tokenizer.json").is_file():
+        return "bpe", path
     raise FileNotFoundError(
-        f"No tokenizer in {folder} (tokenizer.model or tokenizer.json); copy the base model's tokenizer files there "
-        "or pass --tokenizer <folder with them>."
+        f"No tokenizer in {path} (tokenizer.model or tokenizer.json); copy the base model's tokenizer files there "
+        "or pass --tokenizer <the base model's folder or tokenizer file>."
     )
 
 
@@ -230,20 +234,39 @@ def _pad(tokens: List, scores: List[float], types: List, n_vocab: int, unused) -
         types.append(unused)
 
 
-def _add_spm_vocab(writer, folder: Path, n_vocab: int) -> None:
+def _spm_tokens(gguf, path: Path) -> Tuple[Any, List[bytes], List[float], List[Any]]:
+    """gguf's ``SentencePieceVocab.sentencepiece_tokens`` for a ``.model`` file of any name."""
+    from sentencepiece import SentencePieceProcessor
+
+    sp = SentencePieceProcessor(model_file=str(path))
+    tokens, scores, types = [], [], []
+    for i in range(sp.vocab_size()):
+        tokens.append(sp.id_to_piece(i).encode("utf-8"))
+        scores.append(sp.get_score(i))
+        kind = gguf.TokenType.NORMAL
+        for test, value in (
+            (sp.is_unknown, gguf.TokenType.UNKNOWN),
+            (sp.is_control, gguf.TokenType.CONTROL),
+            (sp.is_unused, gguf.TokenType.UNUSED),
+            (sp.is_byte, gguf.TokenType.BYTE),
+        ):
+            kind = value if test(i) else kind
+        types.append(kind)
+    return sp, tokens, scores, types
+
+
+def _add_spm_vocab(writer, path: Path, n_vocab: int) -> None:
     """convert_hf_to_gguf.py's ``_set_vocab_sentencepiece``."""
     gguf = _gguf()
-    vocab = gguf.vocab.SentencePieceVocab(folder)
-    tokens, scores, types = (list(column) for column in zip(*vocab.all_tokens()))
-    _check_vocab(folder, len(tokens), n_vocab)
+    sp, tokens, scores, types = _spm_tokens(gguf, path)
+    _check_vocab(path, len(tokens), n_vocab)
     _pad(tokens, scores, types, n_vocab, gguf.TokenType.UNUSED)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
-    special = gguf.SpecialVocab(folder, n_vocab=n_vocab)
-    sp = vocab.sentencepiece_tokenizer
+    special = gguf.SpecialVocab(path.parent, n_vocab=n_vocab)
     for kind, token_id in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("unk", sp.unk_id())):
         if special.special_token_ids.get(kind) is None and token_id >= 0:
             special.special_token_ids[kind] = token_id
@@ -305,8 +328,9 @@ def export_gguf(
         model_dir (PathLike): the merged HF folder (``config.json`` + safetensors, sharded or not).
         output (PathLike): the ``.gguf`` file to write (replaced if it exists).
         type (str): "f16" or "q8_0" for the matrices (vectors and norms stay F32).
-        tokenizer_dir (Optional[PathLike]): folder with ``tokenizer.model`` (SentencePiece) or ``tokenizer.json``
-            (BPE), plus optionally ``tokenizer_config.json``; None: ``model_dir``.
+        tokenizer_dir (Optional[PathLike]): a SentencePiece ``.model`` file, a ``tokenizer.json``, or a folder with
+            ``tokenizer.model`` or ``tokenizer.json`` (its ``tokenizer_config.json`` gives special tokens and the
+            chat template); None: ``model_dir``.
         progress (Optional[Callable[[str], None]]): called with each GGUF tensor name as it is written.
 
     Returns:
@@ -322,7 +346,7 @@ def export_gguf(
     gguf = _gguf()
     model_dir, output = Path(model_dir), Path(output)
     config, family = _read_config(model_dir)
-    tokenizer_kind, tokenizer_folder = _find_tokenizer(Path(tokenizer_dir) if tokenizer_dir else model_dir)
+    tokenizer_kind, tokenizer_path = _find_tokenizer(Path(tokenizer_dir) if tokenizer_dir else model_dir)
     plan = _plan_tensors(model_dir, config, family, type)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -330,9 +354,9 @@ def export_gguf(
         writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)])
         _add_hparams(writer, config, family, type, model_dir.name)
         if tokenizer_kind == "spm":
-            _add_spm_vocab(writer, tokenizer_folder, config["vocab_size"])
+            _add_spm_vocab(writer, tokenizer_path, config["vocab_size"])
         else:
-            _add_bpe_vocab(writer, tokenizer_folder, config["vocab_size"], family.bpe_pre)
+            _add_bpe_vocab(writer, tokenizer_path, config["vocab_size"], family.bpe_pre)
         for t in plan:
             writer.add_tensor_info(t.name, t.shape, np.float32, _nbytes(gguf, t.shape, t.qtype), raw_dtype=t.qtype)
         writer.write_header_to_file()
