@@ -20,22 +20,28 @@ try:
 except ImportError:
     llama_cpp = None
 
+# the pre-tokenizer regexes of Qwen 2's and Llama 3's tokenizer.json (they differ in the digits: 1 vs 1-3)
 _QWEN_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_LLAMA3_SPLIT = _QWEN_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 PROMPT = "Reverse: hello"
+TEXT = "Count the letters: abc\n\n  It's 20245 + 7!? Sort: zyx"  # for the BPE tokenizers
+# the tiny SentencePiece model has no byte fallback: llama.cpp aborts on a character outside its vocabulary
+SPM_TEXT = "Sort the letters: zyx Repeat twice: ab ab Uppercase: q"
 NEW_TOKENS = 16
 
 
-def _qwen_tokenizer(folder: Path) -> None:
-    """A byte-level BPE tokenizer.json with Qwen 2's pre-tokenizer, trained on the tiny data set (~300 tokens)."""
+def _bpe_tokenizer(folder: Path, split: str = _QWEN_SPLIT) -> None:
+    """A byte-level BPE tokenizer.json with Qwen 2's (or Llama 3's) pre-tokenizer, trained on the tiny data set
+    plus some digits (~300 tokens)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -46,7 +52,7 @@ def _qwen_tokenizer(folder: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = [s[k] for s in tiny_instruct_samples("train", 512) for k in ("input", "output")]
+    texts = [s[k] for s in tiny_instruct_samples("train", 512) for k in ("input", "output")] + ["2024 123 99"] * 50
     tokenizer.train_from_iterator(texts, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(str(folder))
 
@@ -57,10 +63,12 @@ def models(tmp_path_factory) -> dict:
     llama = write_tiny_checkpoint(root / "llama", "llama")
     shutil.copy(TINY_TOKENIZER_PATH, llama / "tokenizer.model")
     qwen = write_tiny_checkpoint(root / "qwen", "qwen")
-    _qwen_tokenizer(qwen)
+    _bpe_tokenizer(qwen)
+    llama_bpe = write_tiny_checkpoint(root / "llama_bpe", "llama", seed=1)
+    _bpe_tokenizer(llama_bpe, _LLAMA3_SPLIT)
     wide = write_tiny_checkpoint(root / "llama_wide", "llama", std=0.1, embedding_std=0.3)
     shutil.copy(TINY_TOKENIZER_PATH, wide / "tokenizer.model")
-    return {"llama": llama, "qwen": qwen, "llama_wide": wide}
+    return {"llama": llama, "qwen": qwen, "llama_wide": wide, "llama_bpe": llama_bpe}
 
 
 def _hf_tensors(folder: Path) -> dict:
@@ -210,13 +218,23 @@ def _prompt_ids(folder: Path) -> list:
     return AutoTokenizer.from_pretrained(str(folder)).encode(PROMPT)
 
 
+def _text_ids(folder: Path, text: str) -> list:
+    if (folder / "tokenizer.model").is_file():
+        import sentencepiece as spm
+
+        return spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model")).encode(text)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder)).encode(text, add_special_tokens=False)
+
+
 # max |logit difference| llama.cpp vs transformers fp32, teacher-forced over 28 positions (logits' std ~1 for the
 # tiny models, ~5 for "llama_wide"); measured: f16 0.0023 (llama), 0.039 (llama_wide); q8_0 0.059, 1.09
 _LOGIT_TOL = {"f16": 0.01, "q8_0": 0.2}
 
 
 @pytest.mark.skipif(llama_cpp is None, reason="llama.cpp check needs llama-cpp-python (pip install llama-cpp-python)")
-@pytest.mark.parametrize("family", ["llama", "qwen", "llama_wide"])
+@pytest.mark.parametrize("family", ["llama", "qwen", "llama_wide", "llama_bpe"])
 def test_llama_cpp_greedy_tokens_equal_transformers(models, tmp_path, family):
     """llama.cpp loads the file; its tokenizer, its greedy tokens (16) and, teacher-forced, its logits match
     transformers on the merged folder. The tiny models' greedy output repeats one token, so "llama_wide" (weights
@@ -235,7 +253,9 @@ def test_llama_cpp_greedy_tokens_equal_transformers(models, tmp_path, family):
         llm = _llama_cpp(export_gguf(folder, tmp_path / f"{type_}.gguf", type_))
         if type_ == "f16":
             vocab = llama_cpp.Llama(str(tmp_path / "f16.gguf"), vocab_only=True, verbose=False)
-            assert vocab.tokenize(PROMPT.encode(), add_bos=family != "qwen", special=False) == ids
+            assert vocab.tokenize(PROMPT.encode(), add_bos=family in ("llama", "llama_wide"), special=False) == ids
+            text = SPM_TEXT if family in ("llama", "llama_wide") else TEXT
+            assert vocab.tokenize(text.encode(), add_bos=False, special=False) == _text_ids(folder, text)
         logits = _llama_cpp_logits(llm, seq)
         if type_ == "f16" or family != "llama_wide":
             assert np.abs(logits - reference).max() < _LOGIT_TOL[type_] * (5 if family == "llama_wide" else 1)
