@@ -5,8 +5,8 @@ The tensor-name map, the metadata keys and the tokenizer handling follow llama.c
 (``LlamaModel``, ``Qwen2Model``, ``_set_vocab_sentencepiece``, ``_set_vocab_gpt2``): Llama q/k rows are permuted back
 to llama.cpp's interleaved RoPE, a ``llama3`` RoPE scaling is written as the ``rope_freqs`` tensor, 1-D tensors stay
 F32, and a ``q8_0`` export falls back to F16 for a matrix whose rows are not a multiple of 32. The file is streamed
-one tensor at a time (host RAM near the largest tensor) into a temporary sibling that replaces ``output`` only when
-complete.
+one tensor at a time (host RAM: a few fp32 copies of the largest tensor) into a temporary sibling that replaces
+``output`` only when complete.
 """
 
 from __future__ import annotations
