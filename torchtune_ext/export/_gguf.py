@@ -190,7 +190,7 @@ def _tensor_type(gguf, name: str, shape: Tuple[int, ...], matrix_type):
 
 
 def _encode(gguf, tensor: torch.Tensor, qtype) -> np.ndarray:
-    data = tensor.numpy().astype(np.float32)
+    data = tensor.numpy()  # float32 already (load() returns .float())
     if qtype == gguf.GGMLQuantizationType.F32:
         return data
     if qtype == gguf.GGMLQuantizationType.F16:
