@@ -19,7 +19,7 @@ def _import_unless_extra_missing(name: str):
         return importlib.import_module(name)
     except ImportError as error:
         missing = error if isinstance(error, ModuleNotFoundError) else error.__cause__
-        if isinstance(missing, ModuleNotFoundError) and missing.name in OPTIONAL_DEPENDENCIES:
+        if isinstance(missing, ModuleNotFoundError) and (missing.name or "").split(".")[0] in OPTIONAL_DEPENDENCIES:
             return None
         raise
 
