@@ -29,6 +29,7 @@ from torchtune._cli.run import Run
 from torchtune_ext import _use_cli
 from torchtune_ext._shipped import config_files, recipe_files, recipe_of
 from torchtune_ext.config import exit_on_config_error
+from torchtune_ext.export import add_export_subcommand  # [issue 18]
 
 
 def _resolve(name: str, known: Dict[str, Path], what: str) -> Path:
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     cat.add_argument("config", help="a config name from `tune-ext ls`")
     cat.set_defaults(func=_cat)
     _use_cli.add_subcommands(subparsers, lambda name: _resolve(name, config_files(), "config"))  # [issue 18]
+    add_export_subcommand(subparsers)  # [issue 18] tune-ext export gguf
     return parser
 
 

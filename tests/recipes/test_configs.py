@@ -28,6 +28,9 @@ def test_every_model_family_has_a_config():
         "qwen2_5/1.5B_qlora_single_device.yaml",
         "qwen2_5/3B_qlora_single_device.yaml",
         "qwen2_5/7B_qlora_single_device.yaml",
+        "smollm2/135M_qlora_single_device.yaml",
+        "smollm2/360M_qlora_single_device.yaml",
+        "smollm2/1.7B_qlora_single_device.yaml",
     }
 
 

@@ -158,6 +158,9 @@ SHIPPED = {
     "qwen2_5/1.5B",
     "qwen2_5/3B",
     "qwen2_5/7B",
+    "smollm2/135M",
+    "smollm2/360M",
+    "smollm2/1.7B",
 }
 
 

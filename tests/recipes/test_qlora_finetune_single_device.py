@@ -388,7 +388,7 @@ def test_resume_mid_epoch_equals_a_straight_run(runs, workdir, base):
     common = [f"output_dir={out}", f"checkpointer.checkpoint_dir={base}", *SMALL, "dtype=fp32"]
     first = tune_run(*common, f"stop_after_step={STEPS // 2}")
     assert "Stopped after step 3" in first.stdout + first.stderr
-    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("logs")) == [
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(("logs", "."))) == [
         "recipe_state",
         "step_3",
         "torchtune_config.yaml",

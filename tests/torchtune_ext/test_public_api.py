@@ -64,14 +64,14 @@ LAYERS = {
     "_compat": 0,
     "_dtype": 0,
     "nf4": 1,
-    "modules": 2,
     "distributed": 2,
-    "models": 3,
-    "checkpoint": 3,
-    "data": 4,
-    "memory": 4,
-    "training": 5,
-    "cli": 6,
+    "modules": 3,
+    "models": 4,
+    "checkpoint": 4,
+    "data": 5,
+    "memory": 5,
+    "training": 6,
+    "cli": 7,
 }
 
 

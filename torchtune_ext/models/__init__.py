@@ -18,6 +18,7 @@ from torchtune.models.qwen2_5 import (
 from torchtune_ext.models._from_hf import torchtune_builder_for
 from torchtune_ext.models._init import check_adapter_state, init_adapters_, init_weights_, materialize_
 from torchtune_ext.models._qlora import build_qlora, qlora_builder
+from torchtune_ext.models._smollm2 import lora_smollm2, lora_smollm2_1_7b, lora_smollm2_135m, lora_smollm2_360m
 from torchtune_ext.models._tiny import (
     TINY_LLAMA_ARGS,
     TINY_QWEN_ARGS,
@@ -39,6 +40,10 @@ qlora_qwen2_5_1_5b_instruct = qlora_builder(lora_qwen2_5_1_5b_instruct)
 qlora_qwen2_5_3b = qlora_builder(lora_qwen2_5_3b)
 qlora_qwen2_5_7b_instruct = qlora_builder(lora_qwen2_5_7b_instruct)
 qlora_mistral_7b = qlora_builder(lora_mistral_7b)
+qlora_smollm2 = qlora_builder(lora_smollm2)
+qlora_smollm2_135m = qlora_builder(lora_smollm2_135m)
+qlora_smollm2_360m = qlora_builder(lora_smollm2_360m)
+qlora_smollm2_1_7b = qlora_builder(lora_smollm2_1_7b)
 
 #: our builder -> the torchtune builder it wraps (tests compare the two).
 QLORA_BUILDERS = {
@@ -54,6 +59,9 @@ QLORA_BUILDERS = {
     qlora_qwen2_5_3b: lora_qwen2_5_3b,
     qlora_qwen2_5_7b_instruct: lora_qwen2_5_7b_instruct,
     qlora_mistral_7b: lora_mistral_7b,
+    qlora_smollm2_135m: lora_smollm2_135m,
+    qlora_smollm2_360m: lora_smollm2_360m,
+    qlora_smollm2_1_7b: lora_smollm2_1_7b,
     qlora_tiny_llama: lora_tiny_llama,
     qlora_tiny_qwen: lora_tiny_qwen,
 }
@@ -66,9 +74,14 @@ __all__ = [
     "check_adapter_state",
     "init_adapters_",
     "init_weights_",
+    "lora_smollm2",
+    "lora_smollm2_135m",
+    "lora_smollm2_360m",
+    "lora_smollm2_1_7b",
     "lora_tiny_llama",
     "lora_tiny_qwen",
     "materialize_",
     "qlora_builder",
+    "qlora_smollm2",
     *[builder.__name__ for builder in QLORA_BUILDERS],
 ]

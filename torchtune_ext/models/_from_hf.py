@@ -11,6 +11,8 @@ from torchtune.models.llama3_2 import lora_llama3_2
 from torchtune.models.qwen2 import lora_qwen2
 from torchtune.modules import TransformerDecoder
 
+from torchtune_ext.models._smollm2 import lora_smollm2
+
 #: HF ``model_type`` -> our checkpointer's model type.
 HF_MODEL_TYPES = {"llama": "LLAMA3_2", "mistral": "MISTRAL", "qwen2": "QWEN2"}
 
@@ -56,9 +58,11 @@ def torchtune_builder_for(hf_config: Dict[str, Any]) -> Tuple[Callable[..., Tran
     if rope_type == "llama3":
         args.update(scale_factor=scaling["factor"], tie_word_embeddings=tied)
         return lora_llama3_2, args, HF_MODEL_TYPES[model_type]
-    if rope_type is not None or tied:
+    if rope_type is not None:
         raise ValueError(
-            f"config.json has rope_scaling={scaling} and tie_word_embeddings={tied}; supported: Llama 3.1-style "
-            "scaling ('llama3'), or no scaling with untied embeddings (Llama 2/3, Mistral)."
+            f"config.json has rope_scaling={scaling}; supported: Llama 3.1-style scaling ('llama3') or none "
+            "(Llama 2/3, Mistral, SmolLM2)."
         )
+    if tied:  # plain RoPE, tied output: SmolLM2
+        return lora_smollm2, args, HF_MODEL_TYPES[model_type]
     return lora_llama3, args, HF_MODEL_TYPES[model_type]

@@ -65,12 +65,14 @@ class InterruptGuard:
             None: :data:`REPEAT_GRACE_S` under a distributed launcher, else 0.
 
     Example:
+        >>> saved = []
         >>> with InterruptGuard() as interrupt:
-        ...     for step in steps:
-        ...         train_step()
+        ...     for step in range(3):
         ...         if interrupt.requested():
-        ...             save()
-        ...             interrupt.exit()
+        ...             saved.append(step)
+        ...             break
+        >>> saved
+        []
     """
 
     def __init__(self, repeat_grace_s: Optional[float] = None) -> None:

@@ -104,7 +104,7 @@ from torchtune_ext.modules.vocab_pruning import (
     scan_estimate_line,
 )
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
-from torchtune_ext.training._export import check_run_folders, export_merged
+from torchtune_ext.training._export import check_run_folders, export_merged, merge_command
 from torchtune_ext.training._interrupt import (
     InterruptGuard,
     continued_metric_logger,
@@ -898,7 +898,7 @@ class QLoRARecipe(FTRecipeInterface):
             rng_per_rank=[plain_rng_state(r) for r in rng],
             kept_ids=self._kept_ids,
             checkpoint=self._last_checkpoint.name,
-            metric_log_dir=getattr(self._metric_logger, "log_dir", None),  # [issue 17] continued on resume
+            metric_log_dir=_log_dir_name(self._metric_logger),  # [issue 17] continued on resume
         )
 
     def _rng_states(self) -> List[Dict[str, Any]]:
@@ -1166,7 +1166,23 @@ class QLoRARecipe(FTRecipeInterface):
             lines.append(f"  resumable state:     {self._checkpointer.output_dir / 'recipe_state'}")
         if log_dir is not None:
             lines.append(f"  TensorBoard logs:    {log_dir}  (tensorboard --logdir {log_dir})")
+        if checkpoint is not None:
+            lines += self._next_steps(checkpoint)
         return "\n".join(lines)
+
+    def _next_steps(self, checkpoint: Path) -> List[str]:
+        """What a user does with a finished run, as commands."""
+        base = self._checkpointer.checkpoint_dir
+        lines = [
+            "Next:",
+            f"  answer prompts:      tune-ext generate --config <model>/<size>_generation "
+            f'checkpointer.checkpoint_dir={base} adapter_dir={checkpoint / "adapter"} prompt="..." '
+            "(`tune-ext ls` lists the generation configs)",
+        ]
+        if not (checkpoint / "merged").is_dir():
+            lines.append(f"  merge it:            {merge_command(base, checkpoint)}")
+        lines.append("  train further:       the same command with resume_from_checkpoint=True and a larger epochs")
+        return lines
 
 
 def _peak_memory_line(memory: Dict[str, float]) -> str:
@@ -1182,3 +1198,9 @@ def _peak_memory_line(memory: Dict[str, float]) -> str:
         )
     parts.append(f"{peaks['peak_rss']:.2f} GiB host RSS")
     return " | ".join(parts) + (" (max over ranks)" if any("/" in key for key in memory) else "")
+
+
+def _log_dir_name(metric_logger: Any) -> Optional[str]:
+    """The metric logger's folder as a plain string (a recipe state holds plain data only), if it has one."""
+    log_dir = getattr(metric_logger, "log_dir", None)
+    return None if log_dir is None else str(log_dir)

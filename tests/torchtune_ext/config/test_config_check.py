@@ -35,8 +35,9 @@ def _error(*overrides: str, dry_run: bool = False) -> ConfigError:
     return raised.value
 
 
-# the training recipes' configs (the generation recipe reads other keys)
-TRAINING_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not p.stem.endswith("generation"))
+# the training recipes' configs (the generation and eleuther_eval recipes read other keys)
+_OTHER_RECIPES = ("generation", "eleuther_eval")
+TRAINING_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not p.stem.endswith(_OTHER_RECIPES))
 
 
 @pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=lambda p: p.stem)

@@ -23,6 +23,9 @@ TIED = {
     models.qlora_qwen2_5_3b,
     models.qlora_tiny_llama,
     models.qlora_tiny_qwen,
+    models.qlora_smollm2_135m,
+    models.qlora_smollm2_360m,
+    models.qlora_smollm2_1_7b,
 }
 CASES = [(ours, theirs, False) for ours, theirs in QLORA_BUILDERS.items()] + [
     (models.qlora_llama3_2_1b, QLORA_BUILDERS[models.qlora_llama3_2_1b], True),

@@ -1,0 +1,163 @@
+"""The ``eleuther_eval`` recipe's logic: the model (as it trained, or merged) behind lm-eval's ``TemplateLM``
+(``_lm.TorchtuneLM``). The package imports without lm-eval; the recipe says how to install it before any load."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+from omegaconf import DictConfig, ListConfig
+from torch import nn
+from torchtune import config, training, utils
+from torchtune.training import FullModelHFCheckpointer
+
+from torchtune_ext._dtype import parse_dtype
+from torchtune_ext.checkpoint import read_hf_config
+from torchtune_ext.generation import load_model_with_adapter
+from torchtune_ext.models import torchtune_builder_for
+from torchtune_ext.training import build_tokenizer
+
+
+def _torchtune_lm_class() -> type:
+    """:class:`~torchtune_ext.evaluation._lm.TorchtuneLM`, or an ImportError that says how to install lm-eval."""
+    from torchtune_ext.evaluation._lm import TorchtuneLM
+
+    return TorchtuneLM
+
+
+def load_merged_model(merged_dir: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A merged HF folder (e.g. ``tune-ext merge``'s output) as a plain torchtune decoder, in ``dtype``.
+
+    Args:
+        merged_dir (str): the folder (``config.json`` + safetensors).
+        dtype (torch.dtype): the weights' and compute dtype.
+        device (torch.device): where the model goes.
+
+    Returns:
+        nn.Module: the model in eval mode, no gradients.
+
+    Raises:
+        FileNotFoundError: if the folder has no ``config.json`` or no safetensors file.
+    """
+    folder = Path(merged_dir)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"merged_dir={merged_dir}: no config.json there; give a merged HF model folder.")
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"merged_dir={merged_dir}: no *.safetensors file there; give a merged HF folder.")
+    lora_builder, args, model_type = torchtune_builder_for(read_hf_config(folder))
+    # the plain builder beside torchtune's lora_* one (lora_llama3_2 -> llama3_2), with the same arguments
+    builder = getattr(sys.modules[lora_builder.__module__], lora_builder.__name__.removeprefix("lora_"))
+    checkpointer = FullModelHFCheckpointer(str(folder), files, model_type, output_dir=tempfile.gettempdir())  # unused
+    state = checkpointer.load_checkpoint()[training.MODEL_KEY]
+    with training.set_default_dtype(dtype), device:
+        model = builder(**args)
+    model.load_state_dict(state)
+    return model.eval().requires_grad_(False)
+
+
+class EleutherEvalRecipe:
+    """lm-eval tasks on the model as it trained or on a merged folder; settings are checked before any load.
+
+    Config keys: ``model``, ``tokenizer``, ``checkpointer`` and ``adapter_dir`` (the model as it trained: the base
+    streamed into NF4 + the adapter; null adapter: the base alone) or ``merged_dir`` (a merged HF folder, loaded in
+    ``dtype``; then ``model``/``checkpointer``/``adapter_dir`` are not used); ``tasks`` (lm-eval task names),
+    ``include_path`` (a folder of local task YAMLs), ``limit``, ``num_fewshot``, ``batch_size``, ``max_seq_len``,
+    ``dtype``, ``device``, ``seed``, ``output_file`` (results JSON, with the per-sample scores).
+
+    Args:
+        cfg (DictConfig): the config.
+
+    Raises:
+        ValueError: on an empty task list or a bad ``batch_size`` / ``max_seq_len``, naming the key.
+        FileNotFoundError: on a missing ``include_path`` or ``merged_dir``.
+        ImportError: when lm-eval (the ``eval`` extra) is not installed, with the command that installs it.
+    """
+
+    def __init__(self, cfg: DictConfig):
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = parse_dtype(cfg.get("dtype", "fp32"), self._device)
+        tasks = cfg.get("tasks", None)
+        self.tasks = list(tasks) if isinstance(tasks, (list, ListConfig)) else ([tasks] if tasks else [])
+        if not self.tasks:
+            raise ValueError("tasks is empty: name lm-eval tasks, e.g. tasks=[arc_easy,hellaswag].")
+        for key in ("batch_size", "max_seq_len"):
+            if not isinstance(cfg.get(key, None), int) or cfg[key] < 1:
+                raise ValueError(f"{key}={cfg.get(key, None)!r} must be a positive integer.")
+        self._include_path = cfg.get("include_path", None)
+        self._merged_dir = cfg.get("merged_dir", None)
+        for key, path in (("include_path", self._include_path), ("merged_dir", self._merged_dir)):
+            if path is not None and not Path(path).is_dir():
+                raise FileNotFoundError(f"{key}={path} is not a folder.")
+        self._output_file = cfg.get("output_file", None)
+        self._lm_class = _torchtune_lm_class()
+        training.set_seed(seed=cfg.get("seed", 1234))
+
+    def setup(self, cfg: DictConfig) -> None:
+        """Loads the tokenizer and the model (merged, or the base into NF4 + the adapter, checked first)."""
+        start = time.perf_counter()
+        tokenizer = build_tokenizer(cfg.tokenizer)
+        if self._merged_dir is not None:
+            model, what = load_merged_model(self._merged_dir, self._dtype, self._device), self._merged_dir
+        else:
+            checkpointer = config.instantiate(cfg.checkpointer)
+            adapter_dir = cfg.get("adapter_dir", None)
+            model = load_model_with_adapter(
+                checkpointer, adapter_dir, model=cfg.model, dtype=self._dtype, device=self._device
+            )
+            what = f"{checkpointer.checkpoint_dir} into NF4 + adapter {adapter_dir}"
+        max_seq_len = min(cfg.max_seq_len, model.max_seq_len)
+        self.lm = self._lm_class(model, tokenizer, self._dtype, self._device, max_seq_len, cfg.batch_size)
+        print(f"Loaded {what} in {time.perf_counter() - start:.1f} s (dtype {self._dtype}).", flush=True)
+
+    def evaluate(self, cfg: DictConfig) -> Dict[str, Any]:
+        """Runs the tasks; prints lm-eval's table and writes ``output_file`` when set.
+
+        Returns:
+            Dict[str, Any]: lm-eval's results (``results``, ``configs``, ``samples``, ...).
+        """
+        from lm_eval.evaluator import simple_evaluate
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import handle_non_serializable, make_table
+
+        start = time.perf_counter()
+        output = simple_evaluate(
+            model=self.lm,
+            tasks=self.tasks,
+            num_fewshot=cfg.get("num_fewshot", None),
+            limit=cfg.get("limit", None),
+            task_manager=TaskManager(include_path=self._include_path),
+            log_samples=self._output_file is not None,
+            bootstrap_iters=int(cfg.get("bootstrap_iters", 0)),
+            random_seed=cfg.get("seed", 1234),
+        )
+        print(f"Evaluated {self.tasks} in {time.perf_counter() - start:.1f} s.\n{make_table(output)}", flush=True)
+        if self._device.type == "cuda":
+            print(f"Peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
+        if self._output_file is not None:
+            path = Path(self._output_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(output, default=handle_non_serializable, indent=2))
+            os.replace(tmp, path)
+        return output
+
+
+def run_eleuther_eval(cfg: DictConfig) -> Dict[str, Any]:
+    """The recipe: check settings, load, evaluate.
+
+    Args:
+        cfg (DictConfig): the config (see :class:`EleutherEvalRecipe`).
+
+    Returns:
+        Dict[str, Any]: lm-eval's results.
+    """
+    recipe = EleutherEvalRecipe(cfg)
+    recipe.setup(cfg)
+    return recipe.evaluate(cfg)
