@@ -35,7 +35,8 @@ The finder also lists this package's recipes and configs in torchtune's recipe r
 and ``tune run <recipe> --config <config>`` know them by name from any folder; and it silences, narrowly, three
 start-up warnings nobody can act on, each where it is emitted (:func:`_quiet_known_warnings`, which says why).
 As ``torchtune._cli.run`` is imported it makes ``tune run --nproc_per_node N`` exit 130/143 without torchrun's
-traceback when interrupted (:func:`_exit_like_interrupted_workers`, which says why).
+traceback when interrupted, and exit 2 with the config error's line once on a config error
+(:func:`_exit_like_interrupted_workers`, which says why).
 """
 
 from __future__ import annotations
@@ -269,10 +270,12 @@ def _exit_like_interrupted_workers(run_module: types.ModuleType) -> None:
     itself (a terminal's Ctrl-C reaches the whole process group; a runtime's SIGTERM) raises its ``SignalException``
     after it has forwarded the signal and waited for the workers, and workers that exited 130/143 are a
     ``ChildFailedError`` with its failure block. Here the first exits ``128 + signal`` quietly, the second exits
-    with the workers' code when every failed worker exited with the same 130 or 143. Workers that all exited 2
-    (:data:`torchtune_ext.config.CONFIG_ERROR_EXIT_CODE`: rank 0 printed the config error's line, see
-    ``exit_on_config_error``) end the same way, so a config error is one line under torchrun too. Any other
-    failure is torchrun's, unchanged. Idempotent."""
+    with the workers' code when every failed worker exited with the same 130 or 143. A config error
+    (:data:`torchtune_ext.config.CONFIG_ERROR_EXIT_CODE`, see ``exit_on_config_error``) exits 2 the same way, so it
+    is one line under torchrun too: every rank finds it, rank 0 prints it, and the ranks torchrun stopped with
+    SIGTERM once the first had exited count as stopped by it; where rank 0 was stopped before it printed, the line
+    is printed here, from the failure record the first rank wrote. Any other failure is torchrun's, unchanged.
+    Idempotent."""
     import functools
 
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -280,7 +283,7 @@ def _exit_like_interrupted_workers(run_module: types.ModuleType) -> None:
 
     from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE
 
-    quiet_codes = {CONFIG_ERROR_EXIT_CODE, *(128 + int(s) for s in (signal.SIGINT, signal.SIGTERM))}
+    interrupted_codes = {128 + int(s) for s in (signal.SIGINT, signal.SIGTERM)}
     launch = run_module.Run._run_distributed
     if getattr(launch, "_exits_like_interrupted_workers", False):
         return
@@ -293,12 +296,29 @@ def _exit_like_interrupted_workers(run_module: types.ModuleType) -> None:
             sys.exit(128 + int(error.sigval))
         except ChildFailedError as error:
             codes = {failure.exitcode for failure in error.failures.values()}
-            if len(codes) == 1 and codes <= quiet_codes:
+            if CONFIG_ERROR_EXIT_CODE in codes and codes <= {CONFIG_ERROR_EXIT_CODE, -int(signal.SIGTERM)}:
+                _print_config_error_once(error.failures)
+                sys.exit(CONFIG_ERROR_EXIT_CODE)
+            if len(codes) == 1 and codes <= interrupted_codes:
                 sys.exit(codes.pop())
             raise
 
     run_distributed._exits_like_interrupted_workers = True  # type: ignore[attr-defined]
     run_module.Run._run_distributed = run_distributed
+
+
+def _print_config_error_once(failures: Dict[int, Any]) -> None:
+    """Prints a config error's lines where rank 0 did not (it did where it exited 2, see ``exit_on_config_error``),
+    from the first failure record (torchrun's ``ProcessFailure`` of a worker that wrote one)."""
+    from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE
+
+    code = CONFIG_ERROR_EXIT_CODE
+    if 0 in failures and failures[0].exitcode == code:
+        return
+    for _, failure in sorted(failures.items()):
+        if failure.exitcode == code and ": error: " in str(failure.message):
+            print(failure.message, file=sys.stderr, flush=True)
+            return
 
 
 #: the torchtune modules given a registration as they are imported (or at once, where already imported).

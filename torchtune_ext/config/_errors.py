@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
+import signal
 import sys
+import time
 from typing import Any, Callable, TypeVar
 
 #: set to 1 to get the traceback of a config error instead of its one-line message.
@@ -14,6 +17,8 @@ TRACEBACK_ENV = "TORCHTUNE_EXT_TRACEBACK"
 CONFIG_ERROR_EXIT_CODE = 2
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: where torchrun asks each worker to write why it failed (torch.distributed.elastic's ``ProcessFailure`` reads it).
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
 class ConfigError(ValueError):
@@ -54,6 +59,17 @@ def print_config_error(error: ConfigError, prog: str) -> None:
         print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
 
 
+def _report_to_launcher(error: ConfigError, prog: str) -> None:
+    """Under torchrun, writes the error's lines where torchrun reads a worker's failure: when another rank exits
+    first and torchrun stops rank 0 before it printed them, ``tune run`` prints them (``torchtune_ext._compat``)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    lines = "\n".join(f"{prog}: error: {line}" for line in str(error).splitlines())
+    with open(path, "w") as file:
+        json.dump({"message": lines, "timestamp": int(time.time())}, file)
+
+
 def exit_on_config_error(prog: str) -> Callable[[F], F]:
     """Decorates an entry point: a :class:`ConfigError` prints its line(s) (rank 0 only under a launcher) and exits
     with :data:`CONFIG_ERROR_EXIT_CODE`, without a traceback unless ``TORCHTUNE_EXT_TRACEBACK=1``.
@@ -73,7 +89,10 @@ def exit_on_config_error(prog: str) -> Callable[[F], F]:
             except ConfigError as error:
                 if os.environ.get(TRACEBACK_ENV, "") == "1":
                     raise
+                _report_to_launcher(error, prog)
                 if int(os.environ.get("RANK", "0")) == 0:
+                    # torchrun stops the other workers with SIGTERM once one has exited: not before the line is out.
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
                     print_config_error(error, prog)
                 sys.exit(CONFIG_ERROR_EXIT_CODE)
 
