@@ -445,6 +445,35 @@ ONE_LINE_CASES = [
         ["vocab_pruning.sharding='both' is not supported; use one of ['sharded', 'replicated']."],
         id="vocab_pruning_sharding",
     ),
+    pytest.param(
+        ["optimizer._component_=torch.optim.AdamWW"],
+        [
+            "optimizer._component_='torch.optim.AdamWW' cannot be imported: torch.optim has no 'AdamWW'; did you mean "
+            "'torch.optim.AdamW'?"
+        ],
+        id="component_typo",
+    ),
+    pytest.param(
+        ["model.lora_attn_modules=[q_prj]"],
+        ["model.lora_attn_modules=['q_prj'] has 'q_prj', which is not an attention projection; did you mean 'q_proj'?"],
+        id="lora_module_typo",
+    ),  # before: trained, then failed at the first save
+    pytest.param(
+        ["dataset_val.split=valid"],
+        [
+            "dataset_val.split='valid' is not a split of this data set, which has ['train', 'validation']; use "
+            "dataset_val.split=validation"
+        ],
+        id="tiny_split_typo",
+    ),
+    pytest.param(
+        [ALPACA, "dataset.source=json", "dataset.data_files={question_answer}", "dataset.split=test"],
+        [
+            "dataset.split='test' is not a split of this data set, which has ['train']; use dataset.split=train",
+            "dataset: the data's columns are ['answer', 'question']",
+        ],
+        id="json_split_and_columns",
+    ),
 ]
 
 

@@ -205,9 +205,10 @@ def test_distributed_interrupt_saves_the_same_step_on_every_rank(tmp_path, base,
 
 def test_interrupt_in_the_last_step_of_an_epoch(tmp_path, base, reference_single):
     """A SIGTERM the recipe sends itself (the fault-injecting loss) in the last step of epoch 1: the end-of-epoch
-    checkpoint (with its merged model) is the one kept, and the run exits 143. The printed resume command repeats
-    the fault, which fires again in the resumed run's 12th step, the last of the last epoch: a signal there lets
-    the run finish (rc 0). Both runs together equal the uninterrupted one."""
+    checkpoint is the one kept (without a merged model: that comes once, at the end of the run, unless
+    merge_every_epoch), and the run exits 143. The printed resume command repeats the fault, which fires again in
+    the resumed run's 12th step, the last of the last epoch: a signal there lets the run finish (rc 0) with its
+    merged model. Both runs together equal the uninterrupted one."""
     out = tmp_path / "interrupted"
     fault = ["loss.fault=signal", f"loss.steps=[{STEPS_PER_EPOCH}]", f"loss.signum={int(signal.SIGTERM)}"]
     run = _start(out, base, 0, fault)
@@ -219,7 +220,7 @@ def test_interrupt_in_the_last_step_of_an_epoch(tmp_path, base, reference_single
     )
     assert match, run.output[-4000:]
     assert recipe_state_step(out) == STEPS_PER_EPOCH
-    assert (out / f"step_{STEPS_PER_EPOCH}" / "merged").is_dir()
+    assert not (out / f"step_{STEPS_PER_EPOCH}" / "merged").exists()
     command = shlex.split(match.group(1))
     resumed = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
@@ -228,3 +229,4 @@ def test_interrupt_in_the_last_step_of_an_epoch(tmp_path, base, reference_single
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert max(abs(losses[s] - reference_losses[s]) for s in losses) <= TOLERANCE
     assert max_abs_diff(adapter(out / f"step_{STEPS}"), adapter(reference_single / f"step_{STEPS}")) <= TOLERANCE
+    assert (out / f"step_{STEPS}" / "merged").is_dir()  # the end of the run's

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import difflib
 import glob
+import importlib
 import inspect
 import json
+import pkgutil
+import re
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -211,12 +214,38 @@ def _check_is_section(cfg: DictConfig, key: str) -> List[ConfigError]:
     return [bad_value(key, value, "is not a config section", fix)]
 
 
+def _why_not_importable(path: str, err: Exception) -> Tuple[str, str]:
+    """What of the dotted ``path`` is missing, and the fix: the nearest name of the deepest module that imports, or
+    the package a module needs that is not installed; else the import's own error."""
+    parts = path.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:end])
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as missing:
+            if missing.name and not module_name.startswith(missing.name):
+                return f"{module_name} needs {missing.name}, which is not installed", f"pip install {missing.name}"
+            continue
+        except Exception as failed:
+            return f"importing {module_name} failed ({type(failed).__name__}: {failed})", "fix that module"
+        if hasattr(module, parts[end]):
+            break
+        names = [n for n in dir(module) if not n.startswith("_")]
+        names += [m.name for m in pkgutil.iter_modules(getattr(module, "__path__", []))]  # submodules not imported yet
+        close = difflib.get_close_matches(parts[end], names, n=1, cutoff=0.6)
+        fix = f"did you mean '{module_name}.{close[0]}'?" if close else "check the name"
+        return f"{module_name} has no {parts[end]!r}", fix
+    cause = err.__cause__ or err
+    return f"{type(cause).__name__}: {str(cause).splitlines()[0]}", "give the full dotted path of a class or function"
+
+
 def _check_section_keys(name: str, section: DictConfig) -> List[ConfigError]:
     path = section._component_
     try:
         target = _component(path)
     except Exception as err:  # torchtune raises InstantiationError, or whatever the import raised
-        return [bad_value(f"{name}._component_", path, f"cannot be imported ({str(err).splitlines()[0]})", "fix it")]
+        problem, fix = _why_not_importable(str(path), err)
+        return [bad_value(f"{name}._component_", path, f"cannot be imported: {problem}", fix)]
     params, var_keyword = _parameters(target)
     owner = name.split("[")[0]
     problems = []
@@ -255,6 +284,10 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+#: the attention projections torchtune's LoRA builders take (``torchtune.modules.peft.LORA_ATTN_MODULES``).
+_LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
+#: the Hugging Face loaders of local files: without a dict of ``data_files`` per split, their one split is "train".
+_LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow")
 #: (key, test, what the value must be): numbers checked when present.
 _NUMBER_RANGES: Sequence[Tuple[str, Callable[[Any], bool], str]] = (
     ("model.lora_rank", lambda v: _is_int(v) and v >= 1, "an integer >= 1 (e.g. 8, 16, 64)"),
@@ -280,6 +313,24 @@ def _check_ranges(cfg: DictConfig) -> List[ConfigError]:
         present, value = _lookup(cfg, key)
         if present and not valid(value):
             problems.append(bad_value(key, value, f"must be {what}"))
+    return problems + _check_lora_modules(cfg)
+
+
+def _check_lora_modules(cfg: DictConfig) -> List[ConfigError]:
+    """``model.lora_attn_modules``: a list of torchtune's attention projections (else it fails at the first save)."""
+    key = "model.lora_attn_modules"
+    present, value = _lookup(cfg, key)
+    if not present or value is None:
+        return []
+    names = list(_LORA_ATTN_MODULES)
+    if not isinstance(value, ListConfig):
+        return [bad_value(key, value, "must be a list", f"e.g. {key}=[q_proj,v_proj] (any of {names})")]
+    problems = []
+    for module in value:
+        if module not in names:
+            close = difflib.get_close_matches(str(module), names, n=1, cutoff=0.6)
+            fix = f"did you mean {close[0]!r}? ({key} takes any of {names})" if close else f"use any of {names}"
+            problems.append(bad_value(key, list(value), f"has {module!r}, which is not an attention projection", fix))
     return problems
 
 
@@ -393,6 +444,7 @@ def _check_data_sets(cfg: DictConfig) -> List[ConfigError]:
     for name, section in _sections(cfg):
         if name.split("[")[0] not in ("dataset", "dataset_val"):
             continue
+        problems += _check_split(name, section)
         for path in _data_files(section):
             if "://" in path:
                 continue  # remote: the data set builder downloads it
@@ -409,6 +461,29 @@ def _check_data_sets(cfg: DictConfig) -> List[ConfigError]:
                 continue
             problems += _check_data_file(name, section, Path(path))
     return problems
+
+
+def _check_split(name: str, section: DictConfig) -> List[ConfigError]:
+    """``split`` names one of the data set's splits (``train[:90%]``, ``train+validation`` too), where they are known
+    without loading: the tiny data set's, and a local loader's ("train", or the keys of a ``data_files`` dict)."""
+    from torchtune_ext.data._tiny import TINY_SPLITS
+
+    split, files = section.get("split", None), section.get("data_files", None)
+    if split is None:
+        return []
+    if section._component_ == "torchtune_ext.data.tiny_instruct_dataset":  # a name, no slices
+        known, names = sorted(TINY_SPLITS), {str(split)}
+    elif section.get("source", None) in _LOCAL_LOADERS and files is not None:
+        known = sorted(files) if isinstance(files, DictConfig) else ["train"]
+        names = {re.sub(r"\[.*\]$", "", s.strip()) for s in str(split).split("+")}
+    else:
+        return []
+    unknown = sorted(names - set(known))
+    if not unknown:
+        return []
+    nearest = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.3) or known
+    fix = f"use {name}.split={nearest[0]}" + (f" (or another of {known})" if len(known) > 1 else "")
+    return [bad_value(f"{name}.split", split, f"is not a split of this data set, which has {known}", fix)]
 
 
 def _check_data_file(name: str, section: DictConfig, path: Path) -> List[ConfigError]:
