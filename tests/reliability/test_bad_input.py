@@ -528,6 +528,31 @@ def test_a_resume_that_differs_prints_its_lines_and_exits_2(inputs, tmp_path):
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        ([], "holds another run's checkpoints (recipe_state/recipe_state.pt, step_1). Continue that run with "
+         "resume_from_checkpoint=True, replace it with overwrite_output_dir=True (deletes them), or set another "
+         "output_dir."),
+        (["resume_from_checkpoint=True", "overwrite_output_dir=True"],
+         "resume_from_checkpoint=True and overwrite_output_dir=True contradict each other"),
+    ],
+    ids=["another_runs_state", "resume_and_overwrite"],
+)  # fmt: skip
+def test_a_used_output_dir_prints_one_line_and_exits_2(inputs, tmp_path, flags, line):
+    """A second run into an output_dir holding another run's checkpoints is refused before it writes anything."""
+    out = tmp_path / "out"
+    shutil.copytree(inputs["trained"], out)
+    before = snapshot(out)
+    run = _recipe_run([f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}", *flags], REPO)
+    output = run.stdout + run.stderr
+    assert run.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    errors = [line for line in output.splitlines() if line.startswith("qlora_finetune_single_device: error: ")]
+    assert len(errors) == 1 and line in errors[0], output[-4000:]
+    assert snapshot(out) == before
+
+
 @pytest.mark.distributed
 def test_a_config_error_on_2_ranks_prints_its_line_once(tmp_path):
     """Every rank finds it before the process group starts; rank 0 prints it, and the launcher exits 2 like its

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torchtune import utils
 
 from torchtune_ext.checkpoint._checkpointer import RECIPE_STATE_DIRNAME, RECIPE_STATE_FILENAME
+from torchtune_ext.config import ConfigError
 
 try:
     import fcntl
@@ -40,8 +41,8 @@ T = TypeVar("T")
 PathLike = Union[str, Path]
 
 
-class OutputDirInUseError(RuntimeError):
-    """Another live run holds the output folder's lock."""
+class OutputDirInUseError(ConfigError, RuntimeError):
+    """Another live run holds the output folder's lock (a config error: one line, exit 2)."""
 
 
 def _holder_text(path: Path) -> str:
@@ -170,17 +171,19 @@ def previous_run_state(output_dir: PathLike) -> List[str]:
 
 def _check_unlocked(output_dir: Path, resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
-        raise ValueError(
+        raise ConfigError(
             "resume_from_checkpoint=True and overwrite_output_dir=True contradict each other: the overwrite deletes "
-            "the checkpoints the resume needs. Drop one."
+            "the checkpoints the resume needs. Drop one.",
+            "overwrite_output_dir",
         )
     found = previous_run_state(output_dir)
     if found and not resume and not overwrite:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-        raise ValueError(
+        raise ConfigError(
             f"output_dir={str(output_dir)!r} holds another run's checkpoints ({shown}). Continue that run with "
             "resume_from_checkpoint=True, replace it with overwrite_output_dir=True (deletes them), or set another "
-            "output_dir."
+            "output_dir.",
+            "output_dir",
         )
 
 
@@ -214,7 +217,7 @@ def check_output_dir(output_dir: PathLike, resume: bool, overwrite: bool) -> Non
 
     Raises:
         OutputDirInUseError: if a live run holds the folder.
-        ValueError: if it holds another run's checkpoints, or both flags are set.
+        ConfigError: if it holds another run's checkpoints, or both flags are set.
     """
 
     def check() -> None:
@@ -240,7 +243,7 @@ def claim_output_dir(output_dir: PathLike, resume: bool, overwrite: bool) -> Opt
 
     Raises:
         OutputDirInUseError: if a live run holds the folder.
-        ValueError: as :func:`check_output_dir`.
+        ConfigError: as :func:`check_output_dir`.
     """
 
     def claim() -> OutputDirLock:
