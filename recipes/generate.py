@@ -21,9 +21,11 @@ import sys
 from omegaconf import DictConfig
 from torchtune import config
 
+from torchtune_ext.config import exit_on_config_error
 from torchtune_ext.generation import run_generation
 
 
+@exit_on_config_error("generate")  # [issue 17] a config error: one line, exit code 2
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/generate.py --config <yaml> [key=value ...]``."""

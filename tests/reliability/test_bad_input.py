@@ -553,6 +553,31 @@ def test_a_used_output_dir_prints_one_line_and_exits_2(inputs, tmp_path, flags, 
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("promt=hi", "unknown key 'promt': did you mean 'prompt'?"),  # before: the config's prompts answered
+        ("model.lora_rnk=4", "unknown key 'model.lora_rnk' (torchtune_ext.models.qlora_tiny_llama does not take it)"),
+        (f"device={ABSENT_DEVICE}", f"device='{ABSENT_DEVICE}' is not available"),  # before: generated on the CPU
+    ],
+    ids=["typo_in_a_key", "typo_in_a_section_key", "device_not_there"],
+)
+def test_generation_config_errors_print_one_line_and_exit_2(inputs, tmp_path, override, line):
+    """The generation recipe checks its config before it loads anything, as training does."""
+    full_env = {**{k: v for k, v in os.environ.items() if k != TRACEBACK_ENV}, "OMP_NUM_THREADS": "1"}
+    config = REPO / "configs" / "tiny" / "generation.yaml"
+    answers = tmp_path / "answers.jsonl"
+    overrides = [f"checkpointer.checkpoint_dir={inputs['base']}", "adapter_dir=null", f"answers_file={answers}"]
+    args = [str(TUNE), "run", "recipes/generate.py", "--config", str(config), *overrides, override]
+    run = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    output = run.stdout + run.stderr
+    assert run.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    errors = [error for error in output.splitlines() if error.startswith("generate: error: ")]
+    assert len(errors) == 1 and line in errors[0], output[-4000:]
+    assert not answers.exists()
+
+
 @pytest.mark.distributed
 def test_a_config_error_on_2_ranks_prints_its_line_once(tmp_path):
     """Every rank finds it before the process group starts; rank 0 prints it, and the launcher exits 2 like its

@@ -2,10 +2,12 @@
 anything is written, reported one line per problem (:class:`ConfigError`) without a traceback."""
 
 from torchtune_ext.config._check import (
+    GENERATION_KEYS,
     RECIPE_KEYS,
     TOKENIZER_FILE_KEYS,
     available_devices,
     check_config,
+    check_generation_config,
     missing_tokenizer_file,
     read_json_records,
     suggest,
@@ -23,6 +25,7 @@ from torchtune_ext.config._validate import validate
 
 __all__ = [
     "CONFIG_ERROR_EXIT_CODE",
+    "GENERATION_KEYS",
     "RECIPE_KEYS",
     "TOKENIZER_FILE_KEYS",
     "TRACEBACK_ENV",
@@ -31,6 +34,7 @@ __all__ = [
     "available_devices",
     "bad_value",
     "check_config",
+    "check_generation_config",
     "exit_on_config_error",
     "missing_tokenizer_file",
     "print_config_error",

@@ -49,6 +49,14 @@ RECIPE_KEYS = frozenset(
         "log_peak_memory_stats",
     }
 )  # fmt: skip
+#: every top-level key the generation recipe reads (:class:`torchtune_ext.generation.GenerationRecipe`).
+GENERATION_KEYS = frozenset(
+    {
+        "model", "tokenizer", "checkpointer", "output_dir", "adapter_dir", "dtype", "device", "dry_run", "mode",
+        "prompt", "prompts", "prompts_file", "chat", "answers_file",
+        "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "use_cache", "max_seq_len",
+    }
+)  # fmt: skip
 #: sections that must be a ``_component_`` section, and those that may be null too.
 REQUIRED_COMPONENTS = (
     "model", "tokenizer", "checkpointer", "dataset", "optimizer", "lr_scheduler", "loss", "metric_logger",
@@ -108,6 +116,26 @@ def check_config(cfg: DictConfig, *, dry_run: bool = False) -> None:
     problems = [*_check_keys(cfg), *_check_ranges(cfg)]
     if not problems and not dry_run:
         problems += [*_check_device(cfg.get("device", None)), *_check_tokenizer_files(cfg), *_check_data_sets(cfg)]
+    _raise(problems)
+
+
+def check_generation_config(cfg: DictConfig) -> None:
+    """The start-up checks of a generation config (:mod:`torchtune_ext.generation`): its keys (top level and each
+    section's), then, but for a dry run, the device and the tokenizer's files. Nothing is loaded or written.
+
+    Args:
+        cfg (DictConfig): the generation config.
+
+    Raises:
+        ConfigError: one line per problem found (``ConfigFileNotFoundError`` when the first is a missing file).
+    """
+    problems = _check_keys(cfg, GENERATION_KEYS, ("model", "tokenizer", "checkpointer"))
+    if not problems and not cfg.get("dry_run", False):
+        problems += [*_check_device(cfg.get("device", None)), *_check_tokenizer_files(cfg)]
+    _raise(problems)
+
+
+def _raise(problems: List[ConfigError]) -> None:
     if problems:
         kind = ConfigFileNotFoundError if isinstance(problems[0], ConfigFileNotFoundError) else ConfigError
         raise kind("\n".join(str(p) for p in problems), problems[0].key)
@@ -163,16 +191,20 @@ def _sections(cfg: DictConfig) -> Iterator[Tuple[str, DictConfig]]:
                     yield f"{key}[{i}]", item
 
 
-def _check_keys(cfg: DictConfig) -> List[ConfigError]:
+def _check_keys(
+    cfg: DictConfig,
+    known: frozenset = RECIPE_KEYS,
+    components: Sequence[str] = (*REQUIRED_COMPONENTS, *OPTIONAL_COMPONENTS),
+) -> List[ConfigError]:
     problems = []
     section_keys = {f"{name}.{k}": k for name, section in _sections(cfg) for k in section if k != "_component_"}
     for key in cfg:
-        if key in RECIPE_KEYS:
+        if key in known:
             continue
         nested = sorted(full for full, short in section_keys.items() if short == key)
-        hint = f": did you mean {nested[0]!r}?" if nested else suggest(str(key), RECIPE_KEYS)
+        hint = f": did you mean {nested[0]!r}?" if nested else suggest(str(key), known)
         problems.append(ConfigError(f"unknown key {key!r}{hint}", str(key)))
-    for key in (*REQUIRED_COMPONENTS, *OPTIONAL_COMPONENTS):
+    for key in components:
         problems += _check_is_section(cfg, key)
     for name, section in _sections(cfg):
         if not _is_none(section._component_):

@@ -16,6 +16,7 @@ from torchtune import config, utils
 
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import check_writable, read_hf_config
+from torchtune_ext.config import check_generation_config
 from torchtune_ext.generation._generate import (
     PREFILL_CHUNK,
     Generator,
@@ -92,6 +93,7 @@ class GenerationRecipe:
     """
 
     def __init__(self, cfg: DictConfig):
+        check_generation_config(cfg)  # [issue 17] unknown keys, a device that is not there: one line, exit 2
         self._dry_run = bool(cfg.get("dry_run", False))
         self._device = torch.device(cfg.device) if self._dry_run else utils.get_device(device=cfg.device)
         self._dtype = parse_dtype(cfg.get("dtype", "fp32"), None if self._dry_run else self._device)
