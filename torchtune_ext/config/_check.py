@@ -4,12 +4,17 @@ written.
 
 - keys: unknown top-level keys, and keys of each ``_component_`` section that the component does not take (its
   signature), with the nearest known key ("unknown key 'dtpye': did you mean 'dtype'?");
-- sections: a component section given as a string (``generate_base_checkpoint=None`` is the string ``'None'``);
-- ranges: LoRA rank/alpha/dropout, learning rate, batch sizes, sequence length, step counts, epochs;
+- sections: a component section given as a string (``generate_base_checkpoint=None`` is the string ``'None'``), a
+  ``_component_`` that does not import (the missing name and the nearest one);
+- ranges: LoRA rank/alpha/dropout, learning rate, batch sizes, sequence length, step counts, epochs; the LoRA
+  attention modules' names;
 - ``device``: one this machine has (else the ones it has);
 - files: the tokenizer's files (the hint keeps their place in the model's folder); a local data set's
   ``data_files`` exist, parse (JSON/JSONL: file, line and column of the first error) and have the columns the data
-  set's format needs (else ``column_map``, with the columns found).
+  set's format needs (else ``column_map``, with the columns found); a ``split`` the data set has, where that is
+  known without loading (the tiny data set; a local file's loader).
+
+:func:`check_generation_config` runs the key and device checks for the generation recipe.
 """
 
 from __future__ import annotations
@@ -498,7 +503,7 @@ def _check_data_sets(cfg: DictConfig) -> List[ConfigError]:
 def _check_split(name: str, section: DictConfig) -> List[ConfigError]:
     """``split`` names one of the data set's splits (``train[:90%]``, ``train+validation`` too), where they are known
     without loading: the tiny data set's, and a local loader's ("train", or the keys of a ``data_files`` dict)."""
-    from torchtune_ext.data._tiny import TINY_SPLITS
+    from torchtune_ext.data import TINY_SPLITS
 
     split, files = section.get("split", None), section.get("data_files", None)
     if split is None:
