@@ -17,9 +17,11 @@ import sys
 from omegaconf import DictConfig
 from torchtune import config
 
+from torchtune_ext.config import exit_on_config_error
 from torchtune_ext.evaluation import run_eleuther_eval
 
 
+@exit_on_config_error("eleuther_eval")  # [issue 17] a config error: one line, exit code 2
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/eleuther_eval.py --config <yaml> [key=value ...]``."""

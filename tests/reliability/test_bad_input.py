@@ -554,28 +554,36 @@ def test_a_used_output_dir_prints_one_line_and_exits_2(inputs, tmp_path, flags, 
 
 
 @pytest.mark.parametrize(
-    "override, line",
+    "recipe, overrides, line",
     [
-        ("promt=hi", "unknown key 'promt': did you mean 'prompt'?"),  # before: the config's prompts answered
-        ("model.lora_rnk=4", "unknown key 'model.lora_rnk' (torchtune_ext.models.qlora_tiny_llama does not take it)"),
-        (f"device={ABSENT_DEVICE}", f"device='{ABSENT_DEVICE}' is not available"),  # before: generated on the CPU
+        ("generate", ["promt=hi"], "unknown key 'promt': did you mean 'prompt'?"),  # before: the config's prompts ran
+        ("generate", ["model.lora_rnk=4"], "unknown key 'model.lora_rnk' (torchtune_ext.models.qlora_tiny_llama does"),
+        ("generate", [f"device={ABSENT_DEVICE}"], f"device='{ABSENT_DEVICE}' is not available"),  # before: on the CPU
+        ("eleuther_eval", ["taks=[x]", "tasks=[x]"], "unknown key 'taks': did you mean 'tasks'?"),
+        ("eleuther_eval", [], "tasks must be set: the config leaves it to the command line (tasks=...)"),
+        ("eleuther_eval", ["tasks=[x]", f"device={ABSENT_DEVICE}"], f"device='{ABSENT_DEVICE}' is not available"),
+        ("eleuther_eval", ["tasks=[x]", "include_path=/no/such/tasks"], "include_path=/no/such/tasks is not a folder"),
     ],
-    ids=["typo_in_a_key", "typo_in_a_section_key", "device_not_there"],
-)
-def test_generation_config_errors_print_one_line_and_exit_2(inputs, tmp_path, override, line):
-    """The generation recipe checks its config before it loads anything, as training does."""
+    ids=[
+        "generate-typo_in_a_key", "generate-typo_in_a_section_key", "generate-device_not_there",
+        "eval-typo_in_a_key", "eval-tasks_not_set", "eval-device_not_there", "eval-missing_include_path",
+    ],
+)  # fmt: skip
+def test_use_recipe_config_errors_print_one_line_and_exit_2(inputs, tmp_path, recipe, overrides, line):
+    """The generation and evaluation recipes check their config before they load anything, as training does."""
     full_env = {**{k: v for k, v in os.environ.items() if k != TRACEBACK_ENV}, "OMP_NUM_THREADS": "1"}
-    config = REPO / "configs" / "tiny" / "generation.yaml"
-    answers = tmp_path / "answers.jsonl"
-    overrides = [f"checkpointer.checkpoint_dir={inputs['base']}", "adapter_dir=null", f"answers_file={answers}"]
-    args = [str(TUNE), "run", "recipes/generate.py", "--config", str(config), *overrides, override]
+    config = REPO / "configs" / "tiny" / ("generation.yaml" if recipe == "generate" else "eleuther_eval.yaml")
+    written = tmp_path / "written.json"
+    paths = [f"checkpointer.checkpoint_dir={inputs['base']}", "adapter_dir=null"]
+    paths.append(f"answers_file={written}" if recipe == "generate" else f"output_file={written}")
+    args = [str(TUNE), "run", f"recipes/{recipe}.py", "--config", str(config), *paths, *overrides]
     run = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     output = run.stdout + run.stderr
     assert run.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
-    errors = [error for error in output.splitlines() if error.startswith("generate: error: ")]
+    errors = [error for error in output.splitlines() if error.startswith(f"{recipe}: error: ")]
     assert len(errors) == 1 and line in errors[0], output[-4000:]
-    assert not answers.exists()
+    assert not written.exists()
 
 
 @pytest.mark.distributed

@@ -2,6 +2,7 @@
 anything is written, reported one line per problem (:class:`ConfigError`) without a traceback."""
 
 from torchtune_ext.config._check import (
+    EVAL_KEYS,
     GENERATION_KEYS,
     RECIPE_KEYS,
     TOKENIZER_FILE_KEYS,
@@ -25,6 +26,7 @@ from torchtune_ext.config._validate import validate
 
 __all__ = [
     "CONFIG_ERROR_EXIT_CODE",
+    "EVAL_KEYS",
     "GENERATION_KEYS",
     "RECIPE_KEYS",
     "TOKENIZER_FILE_KEYS",

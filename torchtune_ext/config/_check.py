@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from torchtune_ext.config._errors import ConfigError, ConfigFileNotFoundError, bad_value
 
@@ -60,6 +60,13 @@ GENERATION_KEYS = frozenset(
         "model", "tokenizer", "checkpointer", "output_dir", "adapter_dir", "dtype", "device", "dry_run", "mode",
         "prompt", "prompts", "prompts_file", "chat", "answers_file",
         "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "use_cache", "max_seq_len",
+    }
+)  # fmt: skip
+#: every top-level key the ``eleuther_eval`` recipe reads (:class:`torchtune_ext.evaluation.EleutherEvalRecipe`).
+EVAL_KEYS = frozenset(
+    {
+        "model", "tokenizer", "checkpointer", "output_dir", "adapter_dir", "merged_dir", "dtype", "device", "seed",
+        "tasks", "include_path", "limit", "num_fewshot", "batch_size", "max_seq_len", "output_file", "bootstrap_iters",
     }
 )  # fmt: skip
 #: sections that must be a ``_component_`` section, and those that may be null too.
@@ -124,17 +131,20 @@ def check_config(cfg: DictConfig, *, dry_run: bool = False) -> None:
     _raise(problems)
 
 
-def check_generation_config(cfg: DictConfig) -> None:
-    """The start-up checks of a generation config (:mod:`torchtune_ext.generation`): its keys (top level and each
-    section's), then, but for a dry run, the device and the tokenizer's files. Nothing is loaded or written.
+def check_generation_config(cfg: DictConfig, known: frozenset = GENERATION_KEYS) -> None:
+    """The start-up checks of a config of a recipe that uses a trained model (:mod:`torchtune_ext.generation`,
+    :mod:`torchtune_ext.evaluation`): its keys (top level and each section's), then, but for a dry run, the device
+    and the tokenizer's files. Nothing is loaded or written.
 
     Args:
-        cfg (DictConfig): the generation config.
+        cfg (DictConfig): the config.
+        known (frozenset): the recipe's top-level keys (:data:`GENERATION_KEYS`, :data:`EVAL_KEYS`).
 
     Raises:
         ConfigError: one line per problem found (``ConfigFileNotFoundError`` when the first is a missing file).
     """
-    problems = _check_keys(cfg, GENERATION_KEYS, ("model", "tokenizer", "checkpointer"))
+    sections = ("tokenizer",) if cfg.get("merged_dir", None) else ("model", "tokenizer", "checkpointer")
+    problems = _check_keys(cfg, known, sections)
     if not problems and not cfg.get("dry_run", False):
         problems += [*_check_device(cfg.get("device", None)), *_check_tokenizer_files(cfg)]
     _raise(problems)
@@ -187,7 +197,10 @@ def _parameters(target: Callable[..., Any]) -> Tuple[List[str], bool]:
 
 def _sections(cfg: DictConfig) -> Iterator[Tuple[str, DictConfig]]:
     """Every ``_component_`` section, with its dotted key (lists of sections too, e.g. ``dataset[0]``)."""
-    for key, value in cfg.items():
+    for key in cfg:
+        if OmegaConf.is_missing(cfg, key):
+            continue
+        value = cfg[key]
         if isinstance(value, DictConfig) and "_component_" in value:
             yield str(key), value
         elif isinstance(value, ListConfig):
@@ -205,6 +218,9 @@ def _check_keys(
     section_keys = {f"{name}.{k}": k for name, section in _sections(cfg) for k in section if k != "_component_"}
     for key in cfg:
         if key in known:
+            if OmegaConf.is_missing(cfg, key):  # ``???`` in the config: the command line must give it
+                why = "the config leaves it to the command line"
+                problems.append(ConfigError(f"{key} must be set: {why} ({key}=...)", str(key)))
             continue
         nested = sorted(full for full, short in section_keys.items() if short == key)
         hint = f": did you mean {nested[0]!r}?" if nested else suggest(str(key), known)

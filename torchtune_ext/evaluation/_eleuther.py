@@ -19,6 +19,7 @@ from torchtune.training import FullModelHFCheckpointer
 
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import read_hf_config
+from torchtune_ext.config import EVAL_KEYS, ConfigError, ConfigFileNotFoundError, bad_value, check_generation_config
 from torchtune_ext.generation import load_model_with_adapter
 from torchtune_ext.models import torchtune_builder_for
 from torchtune_ext.training import build_tokenizer
@@ -75,26 +76,28 @@ class EleutherEvalRecipe:
         cfg (DictConfig): the config.
 
     Raises:
-        ValueError: on an empty task list or a bad ``batch_size`` / ``max_seq_len``, naming the key.
-        FileNotFoundError: on a missing ``include_path`` or ``merged_dir``.
+        ConfigError: on an unknown key, a device that is not there, an empty task list or a bad ``batch_size`` /
+            ``max_seq_len``, naming the key (``ConfigFileNotFoundError``: a missing ``include_path`` or
+            ``merged_dir``).
         ImportError: when lm-eval (the ``eval`` extra) is not installed, with the command that installs it.
     """
 
     def __init__(self, cfg: DictConfig):
+        check_generation_config(cfg, EVAL_KEYS)  # [issue 17] unknown keys, a device that is not there
         self._device = utils.get_device(device=cfg.device)
         self._dtype = parse_dtype(cfg.get("dtype", "fp32"), self._device)
         tasks = cfg.get("tasks", None)
         self.tasks = list(tasks) if isinstance(tasks, (list, ListConfig)) else ([tasks] if tasks else [])
         if not self.tasks:
-            raise ValueError("tasks is empty: name lm-eval tasks, e.g. tasks=[arc_easy,hellaswag].")
+            raise ConfigError("tasks is empty: name lm-eval tasks, e.g. tasks=[arc_easy,hellaswag].", "tasks")
         for key in ("batch_size", "max_seq_len"):
             if not isinstance(cfg.get(key, None), int) or cfg[key] < 1:
-                raise ValueError(f"{key}={cfg.get(key, None)!r} must be a positive integer.")
+                raise bad_value(key, cfg.get(key, None), "must be a positive integer")
         self._include_path = cfg.get("include_path", None)
         self._merged_dir = cfg.get("merged_dir", None)
         for key, path in (("include_path", self._include_path), ("merged_dir", self._merged_dir)):
             if path is not None and not Path(path).is_dir():
-                raise FileNotFoundError(f"{key}={path} is not a folder.")
+                raise ConfigFileNotFoundError(f"{key}={path} is not a folder.", key)
         self._output_file = cfg.get("output_file", None)
         self._lm_class = _torchtune_lm_class()
         training.set_seed(seed=cfg.get("seed", 1234))
