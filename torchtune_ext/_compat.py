@@ -35,8 +35,8 @@ The finder also lists this package's recipes and configs in torchtune's recipe r
 and ``tune run <recipe> --config <config>`` know them by name from any folder; and it silences, narrowly, three
 start-up warnings nobody can act on, each where it is emitted (:func:`_quiet_known_warnings`, which says why).
 As ``torchtune._cli.run`` is imported it makes ``tune run --nproc_per_node N`` exit 130/143 without torchrun's
-traceback when interrupted, and exit 2 with the config error's line once on a config error
-(:func:`_exit_like_interrupted_workers`, which says why).
+traceback when interrupted, and exit 2 with the config error's line once on a config error, without torchrun's log
+lines about those workers (:func:`_exit_like_interrupted_workers`, which says why).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import importlib.util
 import os
 import signal
 import sys
+import tempfile
 import types
 import warnings
 from pathlib import Path
@@ -274,51 +275,69 @@ def _exit_like_interrupted_workers(run_module: types.ModuleType) -> None:
     (:data:`torchtune_ext.config.CONFIG_ERROR_EXIT_CODE`, see ``exit_on_config_error``) exits 2 the same way, so it
     is one line under torchrun too: every rank finds it, rank 0 prints it, and the ranks torchrun stopped with
     SIGTERM once the first had exited count as stopped by it; where rank 0 was stopped before it printed, the line
-    is printed here, from the failure record the first rank wrote. Any other failure is torchrun's, unchanged.
+    is printed here, as another rank wrote it into a folder this wrap gives the workers (a torchrun error file
+    would add torchrun's own log lines). Any other failure is torchrun's, unchanged.
     Idempotent."""
     import functools
+    import logging
 
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE
+    from torchtune_ext.config import CONFIG_ERROR_DIR_ENV, CONFIG_ERROR_EXIT_CODE
 
     interrupted_codes = {128 + int(s) for s in (signal.SIGINT, signal.SIGTERM)}
     launch = run_module.Run._run_distributed
     if getattr(launch, "_exits_like_interrupted_workers", False):
         return
+    # torchrun's agent logs "failed (exitcode: N) local_rank: ..." for the first worker that ended, and "Sending
+    # process P closing signal SIGTERM" for each it then stops: for 2, 130 and 143 the workers printed why and the
+    # launcher exits with the code; any other failure keeps torchrun's report (each worker's exit code and signal).
+    quiet = {CONFIG_ERROR_EXIT_CODE, *interrupted_codes}
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        _DropRecords(
+            lambda r: (
+                str(r.msg).startswith("Sending process %s closing signal")
+                or str(r.msg).startswith("failed (exitcode: ")
+                and bool(r.args)
+                and r.args[0] in quiet
+            )
+        )
+    )
 
     @functools.wraps(launch)
     def run_distributed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return launch(self, *args, **kwargs)
-        except SignalException as error:
-            sys.exit(128 + int(error.sigval))
-        except ChildFailedError as error:
-            codes = {failure.exitcode for failure in error.failures.values()}
-            if CONFIG_ERROR_EXIT_CODE in codes and codes <= {CONFIG_ERROR_EXIT_CODE, -int(signal.SIGTERM)}:
-                _print_config_error_once(error.failures)
-                sys.exit(CONFIG_ERROR_EXIT_CODE)
-            if len(codes) == 1 and codes <= interrupted_codes:
-                sys.exit(codes.pop())
-            raise
+        with tempfile.TemporaryDirectory(prefix="torchtune_ext_config_errors_") as folder:
+            os.environ[CONFIG_ERROR_DIR_ENV] = folder  # the workers inherit it
+            try:
+                return launch(self, *args, **kwargs)
+            except SignalException as error:
+                sys.exit(128 + int(error.sigval))
+            except ChildFailedError as error:
+                codes = {failure.exitcode for failure in error.failures.values()}
+                if CONFIG_ERROR_EXIT_CODE in codes and codes <= {CONFIG_ERROR_EXIT_CODE, -int(signal.SIGTERM)}:
+                    _print_config_error_once(error.failures, Path(folder))
+                    sys.exit(CONFIG_ERROR_EXIT_CODE)
+                if len(codes) == 1 and codes <= interrupted_codes:
+                    sys.exit(codes.pop())
+                raise
+            finally:
+                os.environ.pop(CONFIG_ERROR_DIR_ENV, None)
 
     run_distributed._exits_like_interrupted_workers = True  # type: ignore[attr-defined]
     run_module.Run._run_distributed = run_distributed
 
 
-def _print_config_error_once(failures: Dict[int, Any]) -> None:
+def _print_config_error_once(failures: Dict[int, Any], folder: Path) -> None:
     """Prints a config error's lines where rank 0 did not (it did where it exited 2, see ``exit_on_config_error``),
-    from the first failure record (torchrun's ``ProcessFailure`` of a worker that wrote one)."""
+    as the lowest rank that found it wrote them into ``folder``."""
     from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE
 
-    code = CONFIG_ERROR_EXIT_CODE
-    if 0 in failures and failures[0].exitcode == code:
+    if 0 in failures and failures[0].exitcode == CONFIG_ERROR_EXIT_CODE:
         return
-    for _, failure in sorted(failures.items()):
-        if failure.exitcode == code and ": error: " in str(failure.message):
-            print(failure.message, file=sys.stderr, flush=True)
-            return
+    written = sorted(folder.glob("rank_*.txt"), key=lambda path: int(path.stem[5:]))
+    if written:
+        print(written[0].read_text(), end="", file=sys.stderr, flush=True)
 
 
 #: the torchtune modules given a registration as they are imported (or at once, where already imported).

@@ -3,11 +3,11 @@
 
 The race it covers: every rank finds a config error, but torchrun stops the others with SIGTERM as soon as the first
 has exited; where that first one was not rank 0 (which prints the line), rank 0 may be stopped before it printed.
+The workers run in this process here (their exit code and what they print are the real ones).
 """
 
 import signal
 import types
-from pathlib import Path
 from typing import Dict
 
 import pytest
@@ -17,13 +17,12 @@ from torchtune_ext import _compat
 from torchtune_ext.config import ConfigError, exit_on_config_error
 
 LINE = "recipe: error: unknown key 'dtpye': did you mean 'dtype'?"
+SIGTERMED = -int(signal.SIGTERM)  # torchrun's code for a worker it stopped
 
 
-def _worker_exit(tmp_path: Path, monkeypatch, rank: int) -> str:
-    """A worker of ``rank`` stopped by a config error, as torchrun starts it; returns its failure record's path."""
-    error_file = tmp_path / f"error_{rank}.json"
+def _worker_exit(monkeypatch, rank: int) -> int:
+    """A worker of ``rank`` stopped by a config error, as torchrun starts it; returns its exit code."""
     monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     before = signal.getsignal(signal.SIGTERM)
 
     @exit_on_config_error("recipe")
@@ -35,59 +34,60 @@ def _worker_exit(tmp_path: Path, monkeypatch, rank: int) -> str:
             main()
     finally:
         signal.signal(signal.SIGTERM, before)
-    assert stop.value.code == 2
-    return str(error_file)
+    return stop.value.code
 
 
-def _launch(failures: Dict[int, ProcessFailure]) -> types.ModuleType:
-    """torchtune's ``torchtune._cli.run`` module, reduced to a launch whose workers failed with ``failures``."""
+def _launcher(monkeypatch, workers: Dict[int, str], tmp_path) -> types.SimpleNamespace:
+    """torchtune's ``torchtune._cli.run`` reduced to a launch whose workers ``workers`` (rank -> ``"config error"``,
+    ``"stopped"`` (by torchrun, before it got anywhere), or an exit code) end as given."""
 
-    class Run:
-        def _run_distributed(self, args):
-            raise ChildFailedError("recipes.qlora", failures)
+    def launch(self, args):
+        codes = {
+            rank: _worker_exit(monkeypatch, rank) if how == "config error" else SIGTERMED if how == "stopped" else how
+            for rank, how in workers.items()
+        }
+        failures = {rank: ProcessFailure(rank, 10 + rank, code, str(tmp_path / "none")) for rank, code in codes.items()}
+        raise ChildFailedError("recipes.qlora", failures)
 
-    module = types.SimpleNamespace(Run=Run)
+    module = types.SimpleNamespace(Run=type("Run", (), {"_run_distributed": launch}))
     _compat._exit_like_interrupted_workers(module)
     return module
 
 
-def _run(module) -> int:
+def _exit_code(module) -> int:
     with pytest.raises(SystemExit) as stop:
         module.Run()._run_distributed(None)
     return stop.value.code
 
 
 def test_rank_0_stopped_before_it_printed_the_launcher_prints_the_line_once(tmp_path, monkeypatch, capsys):
-    error_file = _worker_exit(tmp_path, monkeypatch, rank=1)
-    assert capsys.readouterr().err == ""  # only rank 0 prints
-    failures = {
-        0: ProcessFailure(local_rank=0, pid=10, exitcode=-int(signal.SIGTERM), error_file=str(tmp_path / "none")),
-        1: ProcessFailure(local_rank=1, pid=11, exitcode=2, error_file=error_file),
-    }
-    assert _run(_launch(failures)) == 2
+    module = _launcher(monkeypatch, {0: "stopped", 1: "config error"}, tmp_path)
+    assert _exit_code(module) == 2
     assert capsys.readouterr().err.splitlines() == [LINE]
 
 
 def test_rank_0_printed_the_launcher_adds_nothing(tmp_path, monkeypatch, capsys):
-    records = [_worker_exit(tmp_path, monkeypatch, rank) for rank in (1, 0)]
+    module = _launcher(monkeypatch, {1: "config error", 0: "config error"}, tmp_path)
+    assert _exit_code(module) == 2
     assert capsys.readouterr().err.splitlines() == [LINE]  # rank 0's
-    failures = {rank: ProcessFailure(rank, 10 + rank, 2, record) for rank, record in zip((1, 0), records)}
-    assert _run(_launch(failures)) == 2
-    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_interrupted_workers_exit_like_them(tmp_path, capsys, sig):
-    failures = {rank: ProcessFailure(rank, 10 + rank, 128 + sig, str(tmp_path / "none")) for rank in (0, 1)}
-    assert _run(_launch(failures)) == 128 + sig
+def test_interrupted_workers_exit_like_them(tmp_path, monkeypatch, capsys, sig):
+    module = _launcher(monkeypatch, {0: 128 + sig, 1: 128 + sig}, tmp_path)
+    assert _exit_code(module) == 128 + sig
     assert capsys.readouterr().err == ""
 
 
 def test_other_failures_are_torchruns(tmp_path, monkeypatch):
-    error_file = _worker_exit(tmp_path, monkeypatch, rank=1)
-    failures = {
-        0: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(tmp_path / "none")),
-        1: ProcessFailure(local_rank=1, pid=11, exitcode=2, error_file=error_file),
-    }
+    module = _launcher(monkeypatch, {0: 1, 1: "config error"}, tmp_path)
     with pytest.raises(ChildFailedError):
-        _launch(failures).Run()._run_distributed(None)
+        module.Run()._run_distributed(None)
+
+
+def test_workers_outside_tune_run_write_nothing(monkeypatch, tmp_path):
+    """Plain ``torchrun`` (no launcher folder): the worker only prints (rank 0) and exits 2."""
+    monkeypatch.delenv("TORCHTUNE_EXT_CONFIG_ERROR_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert _worker_exit(monkeypatch, 1) == 2
+    assert list(tmp_path.iterdir()) == []

@@ -14,6 +14,7 @@ from torchtune_ext.config._check import (
     suggest,
 )
 from torchtune_ext.config._errors import (
+    CONFIG_ERROR_DIR_ENV,
     CONFIG_ERROR_EXIT_CODE,
     TRACEBACK_ENV,
     ConfigError,
@@ -25,6 +26,7 @@ from torchtune_ext.config._errors import (
 from torchtune_ext.config._validate import validate
 
 __all__ = [
+    "CONFIG_ERROR_DIR_ENV",
     "CONFIG_ERROR_EXIT_CODE",
     "EVAL_KEYS",
     "GENERATION_KEYS",

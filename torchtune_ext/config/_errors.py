@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import sys
-import time
 from typing import Any, Callable, TypeVar
 
 #: set to 1 to get the traceback of a config error instead of its one-line message.
@@ -17,8 +15,8 @@ TRACEBACK_ENV = "TORCHTUNE_EXT_TRACEBACK"
 CONFIG_ERROR_EXIT_CODE = 2
 
 F = TypeVar("F", bound=Callable[..., Any])
-#: where torchrun asks each worker to write why it failed (torch.distributed.elastic's ``ProcessFailure`` reads it).
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+#: a folder ``tune run --nproc_per_node N`` gives its workers for their config errors (``torchtune_ext._compat``).
+CONFIG_ERROR_DIR_ENV = "TORCHTUNE_EXT_CONFIG_ERROR_DIR"
 
 
 class ConfigError(ValueError):
@@ -60,14 +58,17 @@ def print_config_error(error: ConfigError, prog: str) -> None:
 
 
 def _report_to_launcher(error: ConfigError, prog: str) -> None:
-    """Under torchrun, writes the error's lines where torchrun reads a worker's failure: when another rank exits
-    first and torchrun stops rank 0 before it printed them, ``tune run`` prints them (``torchtune_ext._compat``)."""
-    path = os.environ.get(ERROR_FILE_ENV)
-    if not path:
+    """Under ``tune run --nproc_per_node N``, writes the error's lines where the launcher looks: when another rank
+    exits first and torchrun stops rank 0 before it printed them, the launcher prints them
+    (``torchtune_ext._compat``)."""
+    folder = os.environ.get(CONFIG_ERROR_DIR_ENV)
+    if not folder or not os.path.isdir(folder):
         return
-    lines = "\n".join(f"{prog}: error: {line}" for line in str(error).splitlines())
-    with open(path, "w") as file:
-        json.dump({"message": lines, "timestamp": int(time.time())}, file)
+    lines = "".join(f"{prog}: error: {line}\n" for line in str(error).splitlines())
+    path = os.path.join(folder, f"rank_{int(os.environ.get('RANK', '0'))}.txt")
+    with open(f"{path}.tmp", "w") as file:
+        file.write(lines)
+    os.replace(f"{path}.tmp", path)  # the launcher never reads half a message
 
 
 def exit_on_config_error(prog: str) -> Callable[[F], F]:
