@@ -446,6 +446,20 @@ ONE_LINE_CASES = [
         id="vocab_pruning_sharding",
     ),
     pytest.param(
+        [ALPACA, "dataset.source=json", "dataset.data_files={out}_none/data.json"],
+        ["_none/data.json' does not exist (relative paths start at"],
+        id="missing_data_file",
+    ),
+    pytest.param(
+        ["optimizer.lr=0", "model.lora_alpha=-1", "batch_size=0"],
+        [
+            "batch_size=0 must be a positive integer",
+            "model.lora_alpha=-1 must be a number > 0",
+            "optimizer.lr=0 must be a number > 0",
+        ],
+        id="bad_ranges",
+    ),  # fmt: skip
+    pytest.param(
         ["optimizer._component_=torch.optim.AdamWW"],
         [
             "optimizer._component_='torch.optim.AdamWW' cannot be imported: torch.optim has no 'AdamWW'; did you mean "
