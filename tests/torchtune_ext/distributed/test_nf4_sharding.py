@@ -22,7 +22,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune_ext import models
 from torchtune_ext.distributed import check_nf4_sharding, get_full_state_dict, shard_model
 from torchtune_ext.models import materialize_
-from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4, nf4_from_inner, quantize_nf4
+from torchtune_ext.nf4 import NF4Tensor, UnevenNF4Tensor, nf4_from_inner, quantize_nf4
 
 ROOT = Path(__file__).resolve().parents[3]
 SHARDED_INNER = ("quantized_scalers", "quantization_factor", "quantized_data")
@@ -101,15 +101,19 @@ def _gloo_worker(rank: int, world_size: int) -> None:
 
     reference, model = build("cpu"), build("meta")
     plan = check_nf4_sharding(model, world_size)
-    assert bool(plan.whole) == (world_size == 3)  # tiny Qwen's 256/128/512 rows do not divide 3
+    assert plan.whole == () and bool(plan.uneven) == (world_size == 3)  # tiny Qwen's 256/128/512 rows and 3
     shard_model(model, dtype=torch.float32)
     materialize_(model, "cpu", seed=0)
     expected = dict(reference.named_parameters())
     for name, param in _nf4_params(model).items():
-        assert isinstance(param, DTensor) == (name not in plan.whole), name
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+        assert isinstance(param, DTensor), name
+        assert isinstance(param._local_tensor, UnevenNF4Tensor) == (name in plan.uneven), name
+    gathered = get_full_state_dict(model, is_rank_zero=rank == 0, keep_nf4=True, include_keys="*.weight")
+    for name in _nf4_params(model) if rank == 0 else ():
+        full = gathered[name]
         assert isinstance(full, NF4Tensor), name
-        assert torch.equal(dequantize_nf4(full), dequantize_nf4(expected[name])), name
+        for inner in ("quantized_scalers", "quantization_factor", "quantized_data", "scaler_mean"):  # bit for bit
+            assert torch.equal(getattr(full, inner), getattr(expected[name], inner)), (name, inner)
     gen = torch.Generator().manual_seed(1)
     tokens, labels = torch.randint(0, 512, (2, 12), generator=gen), torch.randint(0, 512, (2, 12), generator=gen)
     loss, ref_loss = _loss(model, tokens, labels), _loss(reference, tokens, labels)
