@@ -154,8 +154,8 @@ def _wrap(
     """An :class:`UnevenNF4Tensor` of outer ``size`` (default ``weight``'s) on ``weight``'s tensors, ``inner``
     replacing some of them."""
     size = torch.Size(weight.shape if size is None else size)
-    meta = _tensor_meta(size, weight.dtype, weight.device)
     tensors = {name: inner.get(name, getattr(weight, name)) for name in (*NF4_SHARDED_TENSORS, "scaler_mean", "nf4")}
+    meta = _tensor_meta(size, weight.dtype, tensors["quantized_data"].device)
     result = UnevenNF4Tensor(
         meta,
         weight.block_size,

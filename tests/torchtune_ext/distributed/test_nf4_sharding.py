@@ -149,6 +149,7 @@ def _gloo_worker(rank: int, world_size: int) -> None:
     shard_model(model, dtype=torch.float32)
     materialize_(model, "cpu", seed=0)
     expected = dict(reference.named_parameters())
+    assert not [name for name, param in model.named_parameters() if param.is_meta]
     for name, param in _nf4_params(model).items():
         assert isinstance(param, DTensor), name
         assert isinstance(param._local_tensor, UnevenNF4Tensor) == (name in plan.uneven), name
