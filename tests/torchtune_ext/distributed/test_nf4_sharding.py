@@ -24,7 +24,14 @@ from torchtune_ext import models
 from torchtune_ext.distributed import check_nf4_sharding, get_full_state_dict, shard_model
 from torchtune_ext.distributed._nf4_sharding import prepare_nf4_sharding
 from torchtune_ext.models import materialize_
-from torchtune_ext.nf4 import NF4Tensor, UnevenNF4Tensor, nf4_shard_groups, quantize_nf4
+from torchtune_ext.nf4 import (
+    NF4Tensor,
+    UnevenNF4Tensor,
+    dequantize_nf4,
+    nf4_shard_groups,
+    quantize_nf4,
+    quantize_nf4_shard,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 SHARDED_INNER = ("quantized_scalers", "quantization_factor", "quantized_data")
@@ -59,14 +66,16 @@ def _shard_alone(weight: NF4Tensor, world_size: int, rank: int) -> NF4Tensor:
     return module.weight._local_tensor
 
 
-def _check_layout(whole: NF4Tensor, world_size: int) -> None:
-    """Every rank's shard has FSDP2's rows and all-gather inputs of one size; gathered and cut, they are the whole
-    weight's inner tensors; an even split is torchao's own (rows and groups over the world size)."""
+def _check_layout(whole: NF4Tensor, world_size: int, ranks=None) -> List[NF4Tensor]:
+    """Every rank's shard (of ``ranks``; default the first and last) has FSDP2's rows and all-gather inputs of one
+    size; gathered and cut, they are the whole weight's inner tensors; an even split is torchao's own (rows and
+    groups over the world size). Returns the shards."""
     rows, groups = whole.shape[0], whole.quantization_factor.numel()
     even = rows % world_size == 0 and groups % world_size == 0 and whole.numel() % whole.block_size == 0
-    sizes = set()
-    for rank in sorted({0, world_size - 1}):
+    sizes, shards = set(), []
+    for rank in sorted({0, world_size - 1}) if ranks is None else ranks:
         local = _shard_alone(whole, world_size, rank)
+        shards.append(local)
         assert local.shape == (_fsdp_rows(rows, world_size, rank), whole.shape[1])
         assert type(local) is (NF4Tensor if even else UnevenNF4Tensor)
         inputs, metadata = local.fsdp_pre_all_gather(None) if not even else (None, None)
@@ -81,6 +90,31 @@ def _check_layout(whole: NF4Tensor, world_size: int) -> None:
         for name in SHARDED_INNER:
             assert getattr(gathered, name).shape == getattr(whole, name).shape, name
     assert len(sizes) <= 1  # one all-gather input size on every rank
+    return shards
+
+
+@pytest.mark.parametrize(
+    "shape, world_size",
+    [
+        ((896, 896), 3),  # Qwen2.5-0.5B's q/o: 56 scale groups, 19 + 19 + 18 (+1 padding)
+        ((128, 896), 5),  # its k/v: 8 groups over 5 ranks, the last one padding only
+        ((10, 100), 3),  # the last block padded: never splits evenly
+        ((2, 1024), 3),  # fewer rows than ranks: FSDP2's empty third shard (new_empty)
+    ],
+)
+def test_uneven_shards_gather_to_the_whole_quantization_bit_for_bit(shape, world_size):
+    """Each rank quantizes its own scale groups (the loader's ``quantize_nf4_shard``); the FSDP2 hooks gather them
+    into the whole tensor's ``quantize_nf4``, inner tensor by inner tensor."""
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    whole = quantize_nf4(full)
+    layout = _check_layout(quantize_nf4(full.to("meta")), world_size, ranks=range(world_size))
+    shards = [quantize_nf4_shard(full, template, rank) for rank, template in enumerate(layout)]
+    inputs = [shard.fsdp_pre_all_gather(None) for shard in shards]
+    outputs = tuple(torch.cat(parts) for parts in zip(*(inner for inner, _ in inputs)))
+    gathered, _ = shards[0].fsdp_post_all_gather(outputs, inputs[0][1], torch.bfloat16)
+    for name in (*SHARDED_INNER, "scaler_mean"):
+        assert torch.equal(getattr(gathered, name), getattr(whole, name)), name
+    assert torch.equal(dequantize_nf4(gathered), dequantize_nf4(whole))
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
