@@ -29,6 +29,7 @@ import torch
 
 from torchtune_ext._compat import NF4Tensor
 from torchtune_ext.nf4._codec import (
+    _NF4_LEVELS,
     NF4_SHARDED_TENSORS,
     _tensor_meta,
     nf4_from_inner,
@@ -142,9 +143,9 @@ class UnevenNF4Tensor(NF4Tensor):
 
 def _rewrap(out: Any, args: Sequence[Any]) -> Any:
     """``out`` of torchao's handler: an NF4Tensor becomes a shard like the first UnevenNF4Tensor of ``args``."""
-    if type(out) is not NF4Tensor:
+    source = next((a for a in args if isinstance(a, UnevenNF4Tensor)), None)
+    if type(out) is not NF4Tensor or source is None:
         return out
-    source = next(a for a in args if isinstance(a, UnevenNF4Tensor))
     return _wrap(out, source.full_shape, source.groups_per_rank)
 
 
@@ -177,10 +178,10 @@ def _split(weight: UnevenNF4Tensor, split_size: int, dim: int = 0) -> list:
     if dim != 0 or weight.shape != weight.full_shape:
         raise NotImplementedError(f"aten.split(UnevenNF4Tensor) of a shard or along dim {dim}")
     rows, group = weight.shape[0], weight.groups_per_rank
+    lengths = _inner_sizes(weight, group)
     chunks = []
     for index, start in enumerate(range(0, rows, split_size)):
         size = (min(split_size, rows - start), *weight.shape[1:])
-        lengths = _inner_sizes(weight, group)
         inner = {name: getattr(weight, name)[index * n : (index + 1) * n] for name, n in lengths.items()}
         chunks.append(_wrap(weight, weight.full_shape, group, size, **inner))
     return chunks
@@ -254,11 +255,12 @@ def quantize_nf4_shard(full: torch.Tensor, shard: UnevenNF4Tensor, rank: int) ->
     flat = full.to(shard.dtype).reshape(-1)
     start, stop = min(flat.numel(), rank * group * values), min(flat.numel(), (rank + 1) * group * values)
     padded = _new_shard(shard, shard.shape, torch.zeros, group, device=full.device)
-    if stop > start:
-        mean = nf4_scaler_mean(full, shard.dtype, shard.block_size)
-        piece = quantize_nf4(flat[start:stop].view(1, -1), shard.block_size, shard.scaler_block_size, scaler_mean=mean)
-        _copy(padded, _wrap(piece, shard.full_shape, group))
-    else:
-        padded.scaler_mean = nf4_scaler_mean(full, shard.dtype, shard.block_size)
-        padded.nf4 = quantize_nf4(full.new_zeros(1, shard.block_size, dtype=shard.dtype)).nf4
+    padded.scaler_mean = nf4_scaler_mean(full, shard.dtype, shard.block_size)
+    padded.nf4 = torch.tensor(_NF4_LEVELS, dtype=shard.dtype, device=full.device)
+    if stop > start:  # a rank past the last scale group holds padding only
+        piece = flat[start:stop].view(1, -1)
+        quantized = quantize_nf4(piece, shard.block_size, shard.scaler_block_size, scaler_mean=padded.scaler_mean)
+        for name in NF4_SHARDED_TENSORS:
+            value = getattr(quantized, name)
+            getattr(padded, name)[: value.numel()].copy_(value)
     return padded
