@@ -21,7 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from torchtune_ext import models
-from torchtune_ext.distributed import check_nf4_sharding, get_full_state_dict, shard_model
+from torchtune_ext.distributed import check_nf4_sharding, get_full_state_dict, get_model_state_dict, shard_model
 from torchtune_ext.distributed._nf4_sharding import prepare_nf4_sharding
 from torchtune_ext.models import materialize_
 from torchtune_ext.nf4 import (
@@ -187,6 +187,11 @@ def _gloo_worker(rank: int, world_size: int) -> None:
     for name, param in _nf4_params(model).items():
         assert isinstance(param, DTensor), name
         assert isinstance(param._local_tensor, UnevenNF4Tensor) == (name in plan.uneven), name
+    if plan.uneven:  # a shard of scale groups has no dense rows of its own
+        with pytest.raises(ValueError, match="keep_nf4=True"):
+            get_model_state_dict(model, sharded_state_dict=True)
+        shards = get_model_state_dict(model, sharded_state_dict=True, keep_nf4=True, include_keys="*.weight")
+        assert all(isinstance(shards[name]._local_tensor, UnevenNF4Tensor) for name in plan.uneven)
     gathered = get_full_state_dict(model, is_rank_zero=rank == 0, keep_nf4=True, include_keys="*.weight")
     for name in _nf4_params(model) if rank == 0 else ():
         full = gathered[name]
