@@ -43,6 +43,16 @@ against, is here as :func:`torchtune_qlora_model`, :func:`torchtune_setup`, :fun
 Host reads of fake values in a step (``.item()``, ``bool()``, ``float()``) return placeholders (True, 1, 0.0).
 """
 
+from torchtune_ext.memory._devices import DEFAULT_HEADROOM, PROFILES, DeviceProfile, device_profile, fits_line
+from torchtune_ext.memory._dry_run import (
+    DryRunTarget,
+    HostMemory,
+    dry_run_target,
+    fit_report,
+    loading_bytes,
+    longest_fitting_seq_len,
+    process_bytes,
+)
 from torchtune_ext.memory._estimate import GIB, DeviceAllowance, MemoryEstimate
 from torchtune_ext.memory._estimator import MemoryEstimator
 from torchtune_ext.memory._fake import accelerator_code_path, to_fake_model
@@ -57,12 +67,23 @@ from torchtune_ext.memory._steps import (
     torchtune_setup,
     torchtune_train_step,
 )
-from torchtune_ext.memory._tracker import CATEGORIES, LiveStorageTracker, TrackerResult, count_as_host
+from torchtune_ext.memory._tracker import (
+    CATEGORIES,
+    LiveStorageTracker,
+    TrackerResult,
+    count_as_host,
+    pinned_block_bytes,
+)
 
 __all__ = [
     "CATEGORIES",
+    "DEFAULT_HEADROOM",
     "GIB",
+    "PROFILES",
     "DeviceAllowance",
+    "DeviceProfile",
+    "DryRunTarget",
+    "HostMemory",
     "LiveStorageTracker",
     "MemoryEstimate",
     "MemoryEstimator",
@@ -75,6 +96,14 @@ __all__ = [
     "accelerator_code_path",
     "adamw_factory",
     "count_as_host",
+    "device_profile",
+    "dry_run_target",
+    "fit_report",
+    "fits_line",
+    "loading_bytes",
+    "longest_fitting_seq_len",
+    "pinned_block_bytes",
+    "process_bytes",
     "recipe_step_estimator",
     "to_fake_model",
     "torchtune_qlora_model",

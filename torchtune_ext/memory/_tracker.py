@@ -148,6 +148,8 @@ class TrackerResult:
         where (str): the innermost module call (forward) or autograd node (backward) at the peak.
         phase_peaks (Dict[str, int]): the largest total seen in each phase.
         host_bytes (int): bytes the step declared host memory (:func:`count_as_host`), in all.
+        pinned_host_peak_bytes (int): the peak of those live at once, each rounded up to a power of two as torch's
+            caching host allocator (pinned memory) rounds every block: what it reserves.
     """
 
     peak_bytes: int
@@ -156,6 +158,20 @@ class TrackerResult:
     where: str
     phase_peaks: Dict[str, int]
     host_bytes: int = 0
+    pinned_host_peak_bytes: int = 0
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """The block torch's caching host allocator reserves for ``nbytes`` of pinned memory: the next power of two
+    (``c10::llvm::PowerOf2Ceil`` in ``CachingHostAllocator``).
+
+    Args:
+        nbytes (int): the tensor's bytes.
+
+    Returns:
+        int: the block's bytes (0 for 0).
+    """
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 def _round(nbytes: int, round_bytes: int) -> int:
@@ -200,22 +216,36 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def attention_backward_workspace(query: torch.Tensor) -> int:
+def attention_backward_workspace(query: torch.Tensor, backend: Optional[str] = None) -> int:
     """Bytes the CUDA attention backward kernels allocate inside the op (not as outputs), for ``query`` of shape
-    ``[batch, heads, seq, head_dim]``: FlashAttention-2 (16-bit inputs) keeps an fp32 dQ accumulator
-    ``[batch, seq rounded to 128, heads, head_dim rounded to 32]`` and fp32 softmax row sums ``[batch, heads, seq
-    rounded to 128]``; the memory-efficient kernel (fp32 inputs) accumulates in dQ itself and keeps the fp32 row
-    sums ``[batch, heads, seq]``. The CPU kernel's own scratch is not the GPU's, so this is counted analytically.
+    ``[batch, heads, seq, head_dim]``: FlashAttention-2 (``"flash"``: 16-bit inputs on sm80+) keeps an fp32 dQ
+    accumulator ``[batch, seq rounded to 128, heads, head_dim rounded to 32]`` and fp32 softmax row sums ``[batch,
+    heads, seq rounded to 128]``; the memory-efficient kernel (``"efficient"``) keeps the fp32 row sums ``[batch,
+    heads, seq]`` and, for 16-bit inputs (fp16 on a T4), an fp32 dQ accumulator ``[batch, heads, seq, head_dim]``
+    (fp32 inputs accumulate in dQ itself). The CPU kernel's own scratch is not the GPU's, so this is counted
+    analytically.
 
     Args:
         query (torch.Tensor): the attention query.
+        backend (Optional[str]): ``"flash"`` or ``"efficient"`` (a device profile's ``sdpa_backend``); None: by
+            dtype, as on sm80+ (flash for 16-bit, efficient for fp32).
 
     Returns:
         int: bytes.
+
+    Raises:
+        ValueError: for the ``"math"`` backend, whose O(seq^2) intermediates this estimate does not run.
     """
     batch, heads, seq, head_dim = query.shape
-    if query.dtype == torch.float32:
-        return 4 * batch * heads * seq
+    sixteen_bit = query.dtype != torch.float32
+    backend = backend or ("flash" if sixteen_bit else "efficient")
+    if backend == "math":
+        raise ValueError(
+            "the math SDPA kernel (O(seq^2) memory) is not estimated: use a dtype the device's fused "
+            "attention kernels take (fp32 or fp16 below sm80)"
+        )
+    if backend == "efficient":
+        return 4 * batch * heads * seq * ((head_dim + 1) if sixteen_bit else 1)
     seq_rounded = _round_up(seq, 128)
     return 4 * batch * seq_rounded * heads * _round_up(head_dim, 32) + 4 * batch * heads * seq_rounded
 
@@ -308,15 +338,20 @@ class LiveStorageTracker(TorchDispatchMode):
 
     Args:
         round_bytes (int): allocation granularity (512: the CUDA caching allocator's).
+        attention_backend (Optional[str]): the SDPA kernel whose backward workspace is counted
+            (:func:`attention_backward_workspace`); None: by dtype, as on sm80+.
     """
 
-    def __init__(self, round_bytes: int = 512):
+    def __init__(self, round_bytes: int = 512, attention_backend: Optional[str] = None):
         super().__init__()
         self.round_bytes = round_bytes
+        self.attention_backend = attention_backend
         self._live: Dict[int, _Record] = {}
         self._records: List[_Record] = []
         self._host: Dict[int, weakref.ref] = {}
         self._host_bytes = 0
+        self._pinned = 0
+        self._pinned_peak = 0
         self._tick = 0
         self._total = 0
         self._peak = 0
@@ -382,7 +417,17 @@ class LiveStorageTracker(TorchDispatchMode):
             if record is not None:
                 self._release(record)
                 self._host_bytes += record.nbytes
-                self._host[key] = weakref.ref(storage, lambda _, key=key: self._host.pop(key, None))
+                block = pinned_block_bytes(record.raw)
+                self._pinned += block
+                self._pinned_peak = max(self._pinned_peak, self._pinned)
+                self._host[key] = weakref.ref(storage, self._host_freed_callback(key, block))
+
+    def _host_freed_callback(self, key: int, block: int):
+        def freed(_: weakref.ref) -> None:
+            if self._host.pop(key, None) is not None:
+                self._pinned -= block
+
+        return freed
 
     def _add(self, storage: torch.UntypedStorage, kind: str, call: Optional[_Call]) -> None:
         key = storage._cdata
@@ -489,7 +534,7 @@ class LiveStorageTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         self._track_outputs(out)
         if func in _ATTENTION_BACKWARD:
-            self._spike(attention_backward_workspace(args[_ATTENTION_BACKWARD[func]]))
+            self._spike(attention_backward_workspace(args[_ATTENTION_BACKWARD[func]], self.attention_backend))
         return out
 
     def _spike(self, nbytes: int) -> None:
@@ -618,4 +663,5 @@ class LiveStorageTracker(TorchDispatchMode):
             where=self._peak_phase[1],
             phase_peaks=dict(self._phase_peaks),
             host_bytes=self._host_bytes,
+            pinned_host_peak_bytes=self._pinned_peak,
         )
