@@ -51,6 +51,7 @@ from torchtune_ext.distributed import (
     per_rank_batch_size,
     shard_model,
 )
+from torchtune_ext.memory import per_rank_dry_run
 from torchtune_ext.training import QLoRARecipe, positive_int
 
 
@@ -123,10 +124,8 @@ def recipe_main(cfg: DictConfig) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         config.log_config(recipe_name="QLoRAFinetuneRecipeDistributed", cfg=cfg)
     if cfg.get("dry_run", False):
-        raise ValueError(
-            "dry_run=True estimates one device's memory: run it with recipes/qlora_finetune_single_device.py (the "
-            "same config keys); a sharded run holds less per rank."
-        )
+        per_rank_dry_run(QLoRAFinetuneRecipeDistributed, cfg)  # [issue 19] each rank's peak, no launcher needed
+        return
     recipe = QLoRAFinetuneRecipeDistributed(cfg=cfg)
     init_distributed(recipe._device, recipe._process_group_timeout_s)
     try:

@@ -57,6 +57,7 @@ from torchtune_ext.memory._estimate import GIB, DeviceAllowance, MemoryEstimate
 from torchtune_ext.memory._estimator import MemoryEstimator
 from torchtune_ext.memory._fake import accelerator_code_path, to_fake_model
 from torchtune_ext.memory._offload import OffloadedActivations
+from torchtune_ext.memory._per_rank import dry_run_world_size, fake_process_group, per_rank_dry_run
 from torchtune_ext.memory._recipe_step import RecipeStep, recipe_step_estimator
 from torchtune_ext.memory._steps import (
     OptimizerFactory,
@@ -96,11 +97,14 @@ __all__ = [
     "accelerator_code_path",
     "adamw_factory",
     "count_as_host",
+    "fake_process_group",
     "device_profile",
+    "dry_run_world_size",
     "dry_run_target",
     "fit_report",
     "fits_line",
     "loading_bytes",
+    "per_rank_dry_run",
     "longest_fitting_seq_len",
     "pinned_block_bytes",
     "process_bytes",

@@ -21,6 +21,7 @@ _LABELS = {
     "activations": "activations",
     "logits_loss": "logits / loss",
     "temporaries": "temporaries",
+    "gathered_params": "all-gathered params (FSDP2)",
 }
 
 

@@ -38,6 +38,7 @@ OPTIMIZER_STATE = "optimizer_state"
 ACTIVATIONS = "activations"
 LOGITS_LOSS = "logits_loss"
 TEMPORARIES = "temporaries"
+GATHERED = "gathered_params"  # FSDP2's all-gathered (unsharded) params, live between unshard and reshard
 CATEGORIES = (
     NF4_WEIGHTS,
     FROZEN_WEIGHTS,
@@ -48,6 +49,7 @@ CATEGORIES = (
     ACTIVATIONS,
     LOGITS_LOSS,
     TEMPORARIES,
+    GATHERED,
 )
 #: categories allocated once before training that stay for the whole run.
 PERSISTENT_CATEGORIES = (NF4_WEIGHTS, FROZEN_WEIGHTS, BUFFERS, ADAPTERS, OPTIMIZER_STATE)
@@ -368,6 +370,8 @@ class LiveStorageTracker(TorchDispatchMode):
         self._stage = "step"
         self._handles: List[Any] = []
         self._output_metadata: Dict[Any, Any] = {}  # op signature -> output metadata (or: unchanged)
+        self._resizable: Dict[int, weakref.ref] = {}  # storages written by out= ops (FSDP2's all-gather outputs)
+        self._polling = False
 
     # ------------------------------------------------------------------------------------------ configuration
 
@@ -463,6 +467,8 @@ class LiveStorageTracker(TorchDispatchMode):
         self._total -= record.nbytes
 
     def _bump(self) -> None:
+        if self._total > self._peak and self._resizable and not self._polling:
+            self._poll_resizable()  # a storage FSDP freed since the last poll must not make a peak
         phase = self._phase()
         if self._total > self._phase_peaks.get(phase, -1):
             self._phase_peaks[phase] = self._total
@@ -533,6 +539,8 @@ class LiveStorageTracker(TorchDispatchMode):
             return NotImplemented  # a tensor subclass runs its own ops first; those come back here
         out = func(*args, **kwargs)
         self._track_outputs(out)
+        if "out" in kwargs:
+            self._track_written(kwargs["out"])
         if func in _ATTENTION_BACKWARD:
             self._spike(attention_backward_workspace(args[_ATTENTION_BACKWARD[func]], self.attention_backend))
         return out
@@ -587,9 +595,50 @@ class LiveStorageTracker(TorchDispatchMode):
                 kind = self._kind()
             self._add(storage, *(kind or (None, None)))
 
+    def _track_written(self, out: Any) -> None:
+        """The storages an out= op wrote: counted (again) if their size changed, and watched for later resizes.
+
+        FSDP2 frees an all-gathered param by resizing its storage to 0 bytes and gathers it again into the same
+        storage (``free_storage`` / ``alloc_storage``), with no op to see; its copy into them is an out= op
+        (``fsdp.split_with_sizes_copy``). Those storages are polled (:meth:`_poll_resizable`) before a new peak is
+        recorded and at every module call, so a freed one stops counting."""
+        for tensor in _tensors(out):
+            for storage in _storages(tensor):
+                key = storage._cdata
+                if key in self._host:
+                    continue
+                self._resizable.setdefault(key, weakref.ref(storage))
+                record = self._live.get(key)
+                if record is None:
+                    self._add(storage, GATHERED, None)
+                else:
+                    record.kind = GATHERED
+                    self._add(storage, GATHERED, None)  # counts a resize
+
+    def _poll_resizable(self) -> None:
+        """Updates the count of the watched storages whose size changed outside any op (see :meth:`_track_written`)."""
+        self._polling = True
+        try:
+            for key, ref in list(self._resizable.items()):
+                storage = ref()
+                if storage is None:
+                    del self._resizable[key]
+                    continue
+                record = self._live.get(key)
+                raw = storage.nbytes()
+                if record is not None and raw == 0:
+                    del self._live[key]
+                    self._release(record)
+                elif raw > 0 and (record is None or record.raw != raw):
+                    self._add(storage, GATHERED, None)
+        finally:
+            self._polling = False
+
     # ------------------------------------------------------------------------------------------------ hooks
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._resizable:
+            self._poll_resizable()
         if module is self._root and not self._in_backward():
             self._in_head = False
         self._calls.append(_Call(self._names.get(id(module), type(module).__name__)))

@@ -1037,6 +1037,7 @@ class QLoRARecipe(FTRecipeInterface):
             if step._enable_activation_offloading:
                 step._activation_offloading = OffloadedActivations()
             step._prepare_model(step_model)
+            step._parallelize()  # [issue 19] FSDP2 on a fake process group (a per-rank dry run); no-op on one rank
             step._setup_loss()
 
         def optimizer(step: QLoRARecipe, step_model: nn.Module) -> torch.optim.Optimizer:
