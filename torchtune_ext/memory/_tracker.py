@@ -539,8 +539,8 @@ class LiveStorageTracker(TorchDispatchMode):
             return NotImplemented  # a tensor subclass runs its own ops first; those come back here
         out = func(*args, **kwargs)
         self._track_outputs(out)
-        if "out" in kwargs:
-            self._track_written(kwargs["out"])
+        if "out" in kwargs and getattr(func, "namespace", None) == "fsdp":
+            self._track_written(kwargs["out"])  # FSDP2's copy into the storages it gathers into
         if func in _ATTENTION_BACKWARD:
             self._spike(attention_backward_workspace(args[_ATTENTION_BACKWARD[func]], self.attention_backend))
         return out
@@ -596,7 +596,7 @@ class LiveStorageTracker(TorchDispatchMode):
             self._add(storage, *(kind or (None, None)))
 
     def _track_written(self, out: Any) -> None:
-        """The storages an out= op wrote: counted (again) if their size changed, and watched for later resizes.
+        """The storages FSDP2's out= copy wrote: counted (again) if their size changed, watched for later resizes.
 
         FSDP2 frees an all-gathered param by resizing its storage to 0 bytes and gathers it again into the same
         storage (``free_storage`` / ``alloc_storage``), with no op to see; its copy into them is an out= op
