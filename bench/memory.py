@@ -223,7 +223,7 @@ def run_fit_task(task: FitTask) -> Dict[str, Any]:
     target.profile.check_dtype(dtype)
     estimator.attention_backend = target.profile.sdpa_backend(dtype)
     fixed = HostMemory(process_bytes(), loading_bytes(estimator.model, torch.bfloat16, dtype), 0)
-    longest = longest_fitting_seq_len(estimator, target, batch, fixed.needed)
+    longest = longest_fitting_seq_len(estimator, target, batch, fixed)
     at = estimator.estimate(batch, longest)
     beyond = estimator.estimate(batch, longest + 1) if longest < (estimator.max_seq_len or 0) else None
     host = HostMemory(fixed.process, fixed.loading, at.pinned_host_bytes)

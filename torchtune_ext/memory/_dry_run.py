@@ -20,7 +20,7 @@ measured it here).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, List, Optional
 
 import psutil
@@ -132,7 +132,7 @@ def longest_fitting_seq_len(
     estimator: MemoryEstimator,
     target: DryRunTarget,
     batch_size: int,
-    host_without_pinned: int,
+    host: HostMemory,
     upper: Optional[int] = None,
 ) -> int:
     """The longest sequence whose step fits the card and the host, each with the headroom.
@@ -141,8 +141,7 @@ def longest_fitting_seq_len(
         estimator (MemoryEstimator): the step's estimator.
         target (DryRunTarget): the limits.
         batch_size (int): sequences per step.
-        host_without_pinned (int): host bytes besides the pinned offload buffers (the process, or the loading peak
-            when larger: ``HostMemory(process, loading, 0).needed``).
+        host (HostMemory): the run's process and loading bytes (its ``pinned`` is ignored: each length's own).
         upper (Optional[int]): the longest length to consider; default the model's ``max_seq_len``.
 
     Returns:
@@ -154,9 +153,9 @@ def longest_fitting_seq_len(
 
     def need(seq_len: int) -> int:
         estimate = estimator.estimate(batch_size, seq_len)
-        host = HostMemory(host_without_pinned, 0, estimate.pinned_host_bytes).needed
-        ratios = [host / host_budget]
-        base = [host_without_pinned / host_budget]
+        needed = replace(host, pinned=estimate.pinned_host_bytes).needed
+        ratios = [needed / host_budget]
+        base = [replace(host, pinned=0).needed / host_budget]
         if device_budget is not None:
             ratios.append(estimate.device_bytes / device_budget)
             base.append((estimate.persistent_bytes + estimate.cuda_context_bytes) / device_budget)
@@ -211,7 +210,7 @@ def fit_report(
         )
     )
     lines.append(label(fits_line("host", host.needed, target.host_memory_gib, target.headroom)))
-    longest = longest_fitting_seq_len(estimator, target, batch_size, HostMemory(host.process, host.loading, 0).needed)
+    longest = longest_fitting_seq_len(estimator, target, batch_size, host)
     limits = "device and host" if profile is not None else "host"
     lines.append(
         label(
