@@ -29,11 +29,16 @@ Run (``--summary``: only Llama 3.1 8B, about 2-3 minutes on 2 shared cores; the 
     .venv/bin/python bench/memory.py [--summary] [--jobs 2] [--seq-len 2048] [--memory-gib 16]
     .venv/bin/python bench/memory.py --seed   # torchtune's Llama 2 7B QLoRA recipe vs the seed figures
 
-``--summary`` ends with the line
-``summary: llama3_1_8b fp32/bf16=<ratio> max_ctx_16GiB bf16=<n> fp16=<n> fp32=<n> torchtune_bf16=<n>``
-(the ratio: our peak allocated at ``--seq-len``, batch 1, without offloading; max_ctx: the longest sequence whose
-step fits in ``--memory-gib`` GiB, ours with activation offloading + tiled MLP + checkpointing, torchtune's as its
-recipe runs: checkpointing, no offloading).
+``--summary`` computes only what its last line needs and ends with exactly
+``summary: llama3_1_8b fp32/bf16=<r> t4_fp16=<n> t4_fp32=<n> gpu16_bf16=<n> torchtune_compiled_bf16=n/a
+t4_host_gib=<x>`` (one line): the ratio is our peak allocated at ``--seq-len``, batch 1, without offloading;
+``t4_*`` the longest Llama 3.1 8B context (ours: activation offloading + tiled MLP + checkpointing) on a Colab T4:
+the ``t4`` device profile (14.58 GiB as torch reports it, the memory-efficient SDPA kernel), 12.7 GiB of host RAM,
+5% headroom on each, every limit counted (device, host: the process, loading, the pinned offload buffers as torch's
+caching host allocator rounds them); ``gpu16_bf16`` the same on a 16 GiB sm80+ card with enough host RAM;
+``t4_host_gib`` the host RAM the ``t4_fp16`` run needs. ``torchtune_compiled_bf16`` is ``n/a``: ``compile=True``
+is not modelled (issue 19, part 1), and an eager figure under that name would be wrong. Every figure is an estimate
+until ``bench/gpu.sh`` measures it.
 """
 
 from __future__ import annotations
@@ -191,6 +196,56 @@ def run_seed_task(task: Tuple[str, List[int]]) -> Dict[int, Dict[str, Any]]:
     return {seq: _figures(estimator.estimate(SEED_BATCH, seq)) for seq in seq_lens}
 
 
+#: the summary's targets: (device profile, host RAM in GiB; None: enough)
+T4_HOST_GIB = 12.7
+FitTask = Tuple[str, str, str, int]  # (model, dtype, target, batch)
+
+
+def _target(name: str):
+    from torchtune_ext.memory import PROFILES, DryRunTarget, device_profile
+
+    if name == "t4":
+        return DryRunTarget(PROFILES["t4"], T4_HOST_GIB)
+    return DryRunTarget(device_profile(None, 16.0, "8.0"), 1 << 20)  # gpu16: a 16 GiB sm80+ card, host unbounded
+
+
+def run_fit_task(task: FitTask) -> Dict[str, Any]:
+    """Worker: the longest context of our long-context setting on a target (device profile, host RAM, headroom),
+    and the device and host memory at that length."""
+    from torchtune_ext.memory import HostMemory, loading_bytes, longest_fitting_seq_len, process_bytes
+
+    torch.set_num_threads(1)
+    model_name, dtype_name, target_name, batch = task
+    begin = time.perf_counter()
+    dtype = DTYPES[dtype_name]
+    estimator, _ = _our_estimator(model_name, dtype_name, batch, 2048, True)
+    target = _target(target_name)
+    target.profile.check_dtype(dtype)
+    estimator.attention_backend = target.profile.sdpa_backend(dtype)
+    fixed = HostMemory(process_bytes(), loading_bytes(estimator.model, torch.bfloat16, dtype), 0)
+    longest = longest_fitting_seq_len(estimator, target, batch, fixed)
+    at = estimator.estimate(batch, longest)
+    beyond = estimator.estimate(batch, longest + 1) if longest < (estimator.max_seq_len or 0) else None
+    host = HostMemory(fixed.process, fixed.loading, at.pinned_host_bytes)
+    bound = "max_seq_len"
+    if beyond is not None:
+        host_beyond = HostMemory(fixed.process, fixed.loading, beyond.pinned_host_bytes).needed
+        device_over = beyond.device_bytes > target.profile.total_memory_gib * (1 - target.headroom) * GIB
+        host_over = host_beyond > target.host_memory_gib * (1 - target.headroom) * GIB
+        bound = " and ".join(n for n, over in (("device", device_over), ("host", host_over)) if over)
+    return {
+        "key": (model_name, dtype_name, target_name),
+        "max_ctx": longest,
+        "device": at.device_bytes,
+        "peak": at.peak_bytes,
+        "host": host,
+        "bound": bound,
+        "backend": target.profile.sdpa_backend(dtype),
+        "target": target,
+        "seconds": time.perf_counter() - begin,
+    }
+
+
 def _run_all(fn, tasks: List[Any], jobs: int) -> List[Any]:
     if jobs <= 1:
         return [fn(task) for task in tasks]
@@ -302,14 +357,13 @@ def _print_contexts(results: Dict[Key, Dict[str, Any]], model_name: str, memory_
 
 def _tasks(args: argparse.Namespace) -> List[Task]:
     tasks: List[Task] = []
-    models = [MAIN] if args.summary else list(MODELS)
-    for model_name in models:
+    for model_name in MODELS:
         memory = args.memory_gib if model_name == MAIN else None
         for dtype_name in DTYPES:
             for offloading in (True, False):
                 tasks.append((model_name, "ours", dtype_name, offloading, args.batch, args.seq_len, memory))
-            if dtype_name == "fp16" or (args.summary and dtype_name != "bf16"):
-                continue  # torchtune's recipe rejects fp16; the summary needs its bf16 only
+            if dtype_name == "fp16":
+                continue  # torchtune's recipe rejects fp16
             tasks.append((model_name, "torchtune", dtype_name, False, args.batch, args.seq_len, memory))
     # The longest tasks (the searches) first, so that the pool's workers finish together.
     return sorted(tasks, key=lambda t: t[6] is None)
@@ -356,9 +410,12 @@ def main() -> None:
     if args.seed:
         _seed(args)
         return
+    if args.summary:
+        _summary(args)
+        return
     start = time.perf_counter()
     results: Dict[Key, Dict[str, Any]] = {r["key"]: r for r in _run_all(run_task, _tasks(args), args.jobs)}
-    models = [MAIN] if args.summary else list(MODELS)
+    models = list(MODELS)
     checkpoints = {m: results[m, "ours", "fp32", False]["checkpoint"] for m in models}
     print(
         "\nOur fp32 rows store the frozen embedding/output in the checkpoint's dtype: "
@@ -374,12 +431,41 @@ def main() -> None:
     _print_contexts(results, MAIN, args.memory_gib)
     seconds = {"/".join(str(p) for p in k): round(r["total_s"]) for k, r in results.items() if "max_ctx" in r}
     print(f"\nwall time {time.perf_counter() - start:.0f} s; per search task (setup + estimates + search): {seconds}")
-    fp32 = results[MAIN, "ours", "fp32", False]["peak"]
-    bf16 = results[MAIN, "ours", "bf16", False]["peak"]
-    ctx = {d: results[MAIN, "ours", d, True]["max_ctx"] for d in DTYPES}
+
+
+def _summary(args: argparse.Namespace) -> None:
+    """The summary: our fp32/bf16 ratio, and the longest contexts on a Colab T4 and a 16 GiB sm80+ card."""
+    start = time.perf_counter()
+    ratio_tasks: List[Task] = [(MAIN, "ours", d, False, args.batch, args.seq_len, None) for d in ("fp32", "bf16")]
+    fit_tasks: List[FitTask] = [(MAIN, "fp16", "t4", 1), (MAIN, "fp32", "t4", 1), (MAIN, "bf16", "gpu16", 1)]
+    fits = {r["key"]: r for r in _run_all(run_fit_task, fit_tasks, args.jobs)}
+    ratio = {r["key"][2]: r for r in _run_all(run_task, ratio_tasks, args.jobs)}
     print(
-        f"summary: {MAIN} fp32/bf16={fp32 / bf16:.2f} max_ctx_{args.memory_gib:g}GiB bf16={ctx['bf16']} "
-        f"fp16={ctx['fp16']} fp32={ctx['fp32']} torchtune_bf16={results[MAIN, 'torchtune', 'bf16', False]['max_ctx']}"
+        "\n## Llama 3.1 8B: longest context per target (batch 1, LoRA rank 32 on every linear layer; ours with "
+        f"activation offloading + tiled MLP ({LONG_CONTEXT_TILE}) + checkpointing); estimates\n"
+    )
+    print(
+        "| target | dtype | SDPA kernel | device (torch-reported) | host RAM | headroom | max tokens | bound by "
+        "| device needed | host needed (process + max(loading, pinned)) | s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (_, dtype_name, target_name), r in fits.items():
+        target, host = r["target"], r["host"]
+        host_gib = "enough" if target_name == "gpu16" else f"{target.host_memory_gib:g} GiB"
+        print(
+            f"| {target_name} | {dtype_name} | {r['backend']} | {target.profile.total_memory_gib:.2f} GiB | "
+            f"{host_gib} | {target.headroom:.0%} | {r['max_ctx']} | {r['bound']} | {_gib(r['device'])} GiB | "
+            f"{_gib(host.needed)} GiB ({_gib(host.process)} + max({_gib(host.loading)}, {_gib(host.pinned)})) | "
+            f"{r['seconds']:.0f} |"
+        )
+    fp32, bf16 = ratio["fp32"]["peak"], ratio["bf16"]["peak"]
+    print(f"\nours at batch 1 x {args.seq_len}, no offloading: fp32 peak {_gib(fp32)} GiB, bf16 {_gib(bf16)} GiB")
+    print(f"torchtune_compiled_bf16: n/a (compile=True is not modelled). wall time {time.perf_counter() - start:.0f} s")
+    t4_fp16 = fits[MAIN, "fp16", "t4"]
+    print(
+        f"summary: {MAIN} fp32/bf16={fp32 / bf16:.2f} t4_fp16={t4_fp16['max_ctx']} "
+        f"t4_fp32={fits[MAIN, 'fp32', 't4']['max_ctx']} gpu16_bf16={fits[MAIN, 'bf16', 'gpu16']['max_ctx']} "
+        f"torchtune_compiled_bf16=n/a t4_host_gib={t4_fp16['host'].needed / GIB:.2f}"
     )
 
 

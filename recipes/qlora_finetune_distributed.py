@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 from torchtune import config
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from torchtune_ext.config import ConfigError, exit_on_config_error
+from torchtune_ext.config import exit_on_config_error
 from torchtune_ext.distributed import (
     check_fsdp_cpu_offload,
     destroy_distributed,
@@ -51,6 +51,7 @@ from torchtune_ext.distributed import (
     per_rank_batch_size,
     shard_model,
 )
+from torchtune_ext.memory import per_rank_dry_run
 from torchtune_ext.training import QLoRARecipe, positive_int
 
 
@@ -123,11 +124,8 @@ def recipe_main(cfg: DictConfig) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         config.log_config(recipe_name="QLoRAFinetuneRecipeDistributed", cfg=cfg)
     if cfg.get("dry_run", False):
-        raise ConfigError(
-            "dry_run=True estimates one device's memory: run it with recipes/qlora_finetune_single_device.py (the "
-            "same config keys); a sharded run holds less per rank.",
-            "dry_run",
-        )
+        per_rank_dry_run(QLoRAFinetuneRecipeDistributed, cfg)  # [issue 19] each rank's peak, no launcher needed
+        return
     recipe = QLoRAFinetuneRecipeDistributed(cfg=cfg)
     init_distributed(recipe._device, recipe._process_group_timeout_s)
     try:

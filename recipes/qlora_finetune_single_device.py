@@ -40,9 +40,10 @@ count, LR schedule and logging), with these differences:
 - ``vocab_pruning`` (as in the distributed recipe; ``sharding`` does not apply): train over the token ids the data
   uses (or a kept-ids file), the kept embedding/output rows in their own dtype (fp32 by default); the merged
   checkpoint is exported with the full vocabulary and the PEFT adapter carries trained rows as PEFT trainable tokens.
-- ``dry_run=True``: prints the peak device memory of the config's training step and its breakdown, whether it fits
-  (``device_memory_gb=15`` for a T4, or the CUDA device's own) and the longest sequence that does, without loading
-  weights or data (``torchtune_ext.memory``; the checkpoint need not be downloaded yet).
+- ``dry_run=True``: prints the peak device memory of the config's training step and its breakdown, the host RAM
+  the run needs, whether both fit with a 5% headroom (``device_profile=t4|l4|a10g|a100_40gb|a100_80gb|h100`` or
+  ``device_memory_gb``, else the CUDA device's own; ``host_memory_gb``, else this machine's) and the longest
+  sequence that does, without loading weights or data (``torchtune_ext.memory``; docs/memory-estimates.md).
 - ``enable_activation_offloading`` (CUDA): saved activations go to pinned host memory; with activation
   checkpointing that is each layer's input (offloaded gradient checkpointing).
 - ``frozen_dtype``: storage of the frozen token embedding / untied output; by default in an fp32 run the 16-bit

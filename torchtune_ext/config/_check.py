@@ -48,6 +48,7 @@ RECIPE_KEYS = frozenset(
         "max_validation_steps", "resume_from_checkpoint", "save_adapter_weights_only", "merge_base", "compile",
         "enable_activation_checkpointing", "enable_activation_offloading", "tiled_mlp_tokens", "loss_scaler",
         "vocab_pruning", "dry_run", "device_memory_gb", "keep_last_n_checkpoints", "merge_every_epoch",
+        "device_profile", "compute_capability", "host_memory_gb", "memory_headroom", "world_size",  # [issue 19]
         # distributed
         "fsdp_cpu_offload", "fsdp_reshard_after_forward", "process_group_timeout_s",
         # torchtune's, for configs shared with its recipes: ours always log memory
@@ -351,6 +352,7 @@ _NUMBER_RANGES: Sequence[Tuple[str, Callable[[Any], bool], str]] = (
     ("lr_scheduler.num_warmup_steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     ("clip_grad_norm", lambda v: v is None or _is_number(v) and v > 0, "a number > 0, or null (no clipping)"),
     ("device_memory_gb", lambda v: v is None or _is_number(v) and v > 0, "a number of GiB > 0, or null"),
+    ("host_memory_gb", lambda v: v is None or _is_number(v) and v > 0, "a number of GiB > 0, or null"),
     ("seed", lambda v: v is None or _is_int(v) and v >= 0, "an integer >= 0, or null (a random seed)"),
 )
 

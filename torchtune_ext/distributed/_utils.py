@@ -178,7 +178,8 @@ def _accelerator_device() -> torch.device:
 
 def group_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     """The device that tensors must live on to be sent over ``group`` (default: the world group)."""
-    return torch.device("cpu") if dist.get_backend(group) == "gloo" else _accelerator_device()
+    # [issue 19] "fake": the per-rank dry run's process group, on fake CPU tensors
+    return torch.device("cpu") if dist.get_backend(group) in ("gloo", "fake") else _accelerator_device()
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

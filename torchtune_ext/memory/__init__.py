@@ -43,10 +43,21 @@ against, is here as :func:`torchtune_qlora_model`, :func:`torchtune_setup`, :fun
 Host reads of fake values in a step (``.item()``, ``bool()``, ``float()``) return placeholders (True, 1, 0.0).
 """
 
+from torchtune_ext.memory._devices import DEFAULT_HEADROOM, PROFILES, DeviceProfile, device_profile, fits_line
+from torchtune_ext.memory._dry_run import (
+    DryRunTarget,
+    HostMemory,
+    dry_run_target,
+    fit_report,
+    loading_bytes,
+    longest_fitting_seq_len,
+    process_bytes,
+)
 from torchtune_ext.memory._estimate import GIB, DeviceAllowance, MemoryEstimate
 from torchtune_ext.memory._estimator import MemoryEstimator
 from torchtune_ext.memory._fake import accelerator_code_path, to_fake_model
 from torchtune_ext.memory._offload import OffloadedActivations
+from torchtune_ext.memory._per_rank import dry_run_world_size, fake_process_group, per_rank_dry_run
 from torchtune_ext.memory._recipe_step import RecipeStep, recipe_step_estimator
 from torchtune_ext.memory._steps import (
     OptimizerFactory,
@@ -57,12 +68,23 @@ from torchtune_ext.memory._steps import (
     torchtune_setup,
     torchtune_train_step,
 )
-from torchtune_ext.memory._tracker import CATEGORIES, LiveStorageTracker, TrackerResult, count_as_host
+from torchtune_ext.memory._tracker import (
+    CATEGORIES,
+    LiveStorageTracker,
+    TrackerResult,
+    count_as_host,
+    pinned_block_bytes,
+)
 
 __all__ = [
     "CATEGORIES",
+    "DEFAULT_HEADROOM",
     "GIB",
+    "PROFILES",
     "DeviceAllowance",
+    "DeviceProfile",
+    "DryRunTarget",
+    "HostMemory",
     "LiveStorageTracker",
     "MemoryEstimate",
     "MemoryEstimator",
@@ -75,6 +97,17 @@ __all__ = [
     "accelerator_code_path",
     "adamw_factory",
     "count_as_host",
+    "fake_process_group",
+    "device_profile",
+    "dry_run_world_size",
+    "dry_run_target",
+    "fit_report",
+    "fits_line",
+    "loading_bytes",
+    "per_rank_dry_run",
+    "longest_fitting_seq_len",
+    "pinned_block_bytes",
+    "process_bytes",
     "recipe_step_estimator",
     "to_fake_model",
     "torchtune_qlora_model",

@@ -21,6 +21,7 @@ _LABELS = {
     "activations": "activations",
     "logits_loss": "logits / loss",
     "temporaries": "temporaries",
+    "gathered_params": "all-gathered params (FSDP2)",
 }
 
 
@@ -73,6 +74,8 @@ class MemoryEstimate:
         dtype (torch.dtype): compute dtype.
         notes (Tuple[str, ...]): what was counted analytically or emulated, and the assumptions.
         host_bytes (int): what the step moved to host memory (:func:`torchtune_ext.memory.count_as_host`).
+        pinned_host_bytes (int): the pinned host memory that takes as torch's caching host allocator reserves it
+            (the peak of blocks live at once, each rounded up to a power of two).
         seconds (float): how long the estimate took.
     """
 
@@ -89,6 +92,7 @@ class MemoryEstimate:
     notes: Tuple[str, ...] = field(default=())
     host_bytes: int = 0
     seconds: float = 0.0
+    pinned_host_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:

@@ -105,6 +105,9 @@ class MemoryEstimator:
         warm_start (bool): allocate the optimizer state before the step (the steady state); False: the first step.
         round_bytes (int): allocation granularity (512: CUDA's caching allocator).
         pad_id (int): token id of the batch.
+        attention_backend (Optional[str]): the device's SDPA kernel for ``dtype`` (``"flash"``, ``"efficient"``:
+            :meth:`torchtune_ext.memory.DeviceProfile.sdpa_backend`), whose backward workspace is counted; None:
+            as on sm80+.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class MemoryEstimator:
         warm_start: bool = True,
         round_bytes: int = 512,
         pad_id: int = 0,
+        attention_backend: Optional[str] = None,
     ):
         self.dtype = dtype or _compute_dtype(model)
         self.loss_fn = loss_fn if loss_fn is not None else CEWithChunkedOutputLoss()
@@ -133,6 +137,7 @@ class MemoryEstimator:
         self.warm_start = warm_start
         self.round_bytes = round_bytes
         self.pad_id = pad_id
+        self.attention_backend = attention_backend
         self.activation_checkpointing = activation_checkpointing
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
         self.model = to_fake_model(model, self.fake_mode) if fake else model
@@ -162,7 +167,7 @@ class MemoryEstimator:
 
     def _run(self, batch_size: int, seq_len: int) -> TrackerResult:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        tracker = LiveStorageTracker(round_bytes=self.round_bytes)
+        tracker = LiveStorageTracker(round_bytes=self.round_bytes, attention_backend=self.attention_backend)
         tracker.watch(self.model, head_after=_head_after(self.model))
         handles = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, GRADS)) for p in trainable]
         try:
@@ -220,6 +225,7 @@ class MemoryEstimator:
             dtype=self.dtype,
             notes=self._notes,
             host_bytes=result.host_bytes,
+            pinned_host_bytes=result.pinned_host_peak_bytes,
             seconds=time.perf_counter() - start,
         )
         self._estimates[batch_size, seq_len] = estimate

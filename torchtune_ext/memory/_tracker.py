@@ -38,6 +38,7 @@ OPTIMIZER_STATE = "optimizer_state"
 ACTIVATIONS = "activations"
 LOGITS_LOSS = "logits_loss"
 TEMPORARIES = "temporaries"
+GATHERED = "gathered_params"  # FSDP2's all-gathered (unsharded) params, live between unshard and reshard
 CATEGORIES = (
     NF4_WEIGHTS,
     FROZEN_WEIGHTS,
@@ -48,6 +49,7 @@ CATEGORIES = (
     ACTIVATIONS,
     LOGITS_LOSS,
     TEMPORARIES,
+    GATHERED,
 )
 #: categories allocated once before training that stay for the whole run.
 PERSISTENT_CATEGORIES = (NF4_WEIGHTS, FROZEN_WEIGHTS, BUFFERS, ADAPTERS, OPTIMIZER_STATE)
@@ -148,6 +150,8 @@ class TrackerResult:
         where (str): the innermost module call (forward) or autograd node (backward) at the peak.
         phase_peaks (Dict[str, int]): the largest total seen in each phase.
         host_bytes (int): bytes the step declared host memory (:func:`count_as_host`), in all.
+        pinned_host_peak_bytes (int): the peak of those live at once, each rounded up to a power of two as torch's
+            caching host allocator (pinned memory) rounds every block: what it reserves.
     """
 
     peak_bytes: int
@@ -156,6 +160,20 @@ class TrackerResult:
     where: str
     phase_peaks: Dict[str, int]
     host_bytes: int = 0
+    pinned_host_peak_bytes: int = 0
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """The block torch's caching host allocator reserves for ``nbytes`` of pinned memory: the next power of two
+    (``c10::llvm::PowerOf2Ceil`` in ``CachingHostAllocator``).
+
+    Args:
+        nbytes (int): the tensor's bytes.
+
+    Returns:
+        int: the block's bytes (0 for 0).
+    """
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 def _round(nbytes: int, round_bytes: int) -> int:
@@ -200,22 +218,36 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def attention_backward_workspace(query: torch.Tensor) -> int:
+def attention_backward_workspace(query: torch.Tensor, backend: Optional[str] = None) -> int:
     """Bytes the CUDA attention backward kernels allocate inside the op (not as outputs), for ``query`` of shape
-    ``[batch, heads, seq, head_dim]``: FlashAttention-2 (16-bit inputs) keeps an fp32 dQ accumulator
-    ``[batch, seq rounded to 128, heads, head_dim rounded to 32]`` and fp32 softmax row sums ``[batch, heads, seq
-    rounded to 128]``; the memory-efficient kernel (fp32 inputs) accumulates in dQ itself and keeps the fp32 row
-    sums ``[batch, heads, seq]``. The CPU kernel's own scratch is not the GPU's, so this is counted analytically.
+    ``[batch, heads, seq, head_dim]``: FlashAttention-2 (``"flash"``: 16-bit inputs on sm80+) keeps an fp32 dQ
+    accumulator ``[batch, seq rounded to 128, heads, head_dim rounded to 32]`` and fp32 softmax row sums ``[batch,
+    heads, seq rounded to 128]``; the memory-efficient kernel (``"efficient"``) keeps the fp32 row sums ``[batch,
+    heads, seq]`` and, for 16-bit inputs (fp16 on a T4), an fp32 dQ accumulator ``[batch, heads, seq, head_dim]``
+    (fp32 inputs accumulate in dQ itself). The CPU kernel's own scratch is not the GPU's, so this is counted
+    analytically.
 
     Args:
         query (torch.Tensor): the attention query.
+        backend (Optional[str]): ``"flash"`` or ``"efficient"`` (a device profile's ``sdpa_backend``); None: by
+            dtype, as on sm80+ (flash for 16-bit, efficient for fp32).
 
     Returns:
         int: bytes.
+
+    Raises:
+        ValueError: for the ``"math"`` backend, whose O(seq^2) intermediates this estimate does not run.
     """
     batch, heads, seq, head_dim = query.shape
-    if query.dtype == torch.float32:
-        return 4 * batch * heads * seq
+    sixteen_bit = query.dtype != torch.float32
+    backend = backend or ("flash" if sixteen_bit else "efficient")
+    if backend == "math":
+        raise ValueError(
+            "the math SDPA kernel (O(seq^2) memory) is not estimated: use a dtype the device's fused "
+            "attention kernels take (fp32 or fp16 below sm80)"
+        )
+    if backend == "efficient":
+        return 4 * batch * heads * seq * ((head_dim + 1) if sixteen_bit else 1)
     seq_rounded = _round_up(seq, 128)
     return 4 * batch * seq_rounded * heads * _round_up(head_dim, 32) + 4 * batch * heads * seq_rounded
 
@@ -308,15 +340,20 @@ class LiveStorageTracker(TorchDispatchMode):
 
     Args:
         round_bytes (int): allocation granularity (512: the CUDA caching allocator's).
+        attention_backend (Optional[str]): the SDPA kernel whose backward workspace is counted
+            (:func:`attention_backward_workspace`); None: by dtype, as on sm80+.
     """
 
-    def __init__(self, round_bytes: int = 512):
+    def __init__(self, round_bytes: int = 512, attention_backend: Optional[str] = None):
         super().__init__()
         self.round_bytes = round_bytes
+        self.attention_backend = attention_backend
         self._live: Dict[int, _Record] = {}
         self._records: List[_Record] = []
         self._host: Dict[int, weakref.ref] = {}
         self._host_bytes = 0
+        self._pinned = 0
+        self._pinned_peak = 0
         self._tick = 0
         self._total = 0
         self._peak = 0
@@ -333,6 +370,8 @@ class LiveStorageTracker(TorchDispatchMode):
         self._stage = "step"
         self._handles: List[Any] = []
         self._output_metadata: Dict[Any, Any] = {}  # op signature -> output metadata (or: unchanged)
+        self._resizable: Dict[int, weakref.ref] = {}  # storages written by out= ops (FSDP2's all-gather outputs)
+        self._polling = False
 
     # ------------------------------------------------------------------------------------------ configuration
 
@@ -382,7 +421,17 @@ class LiveStorageTracker(TorchDispatchMode):
             if record is not None:
                 self._release(record)
                 self._host_bytes += record.nbytes
-                self._host[key] = weakref.ref(storage, lambda _, key=key: self._host.pop(key, None))
+                block = pinned_block_bytes(record.raw)
+                self._pinned += block
+                self._pinned_peak = max(self._pinned_peak, self._pinned)
+                self._host[key] = weakref.ref(storage, self._host_freed_callback(key, block))
+
+    def _host_freed_callback(self, key: int, block: int):
+        def freed(_: weakref.ref) -> None:
+            if self._host.pop(key, None) is not None:
+                self._pinned -= block
+
+        return freed
 
     def _add(self, storage: torch.UntypedStorage, kind: str, call: Optional[_Call]) -> None:
         key = storage._cdata
@@ -418,6 +467,8 @@ class LiveStorageTracker(TorchDispatchMode):
         self._total -= record.nbytes
 
     def _bump(self) -> None:
+        if self._total > self._peak and self._resizable and not self._polling:
+            self._poll_resizable()  # a storage FSDP freed since the last poll must not make a peak
         phase = self._phase()
         if self._total > self._phase_peaks.get(phase, -1):
             self._phase_peaks[phase] = self._total
@@ -488,8 +539,10 @@ class LiveStorageTracker(TorchDispatchMode):
             return NotImplemented  # a tensor subclass runs its own ops first; those come back here
         out = func(*args, **kwargs)
         self._track_outputs(out)
+        if "out" in kwargs and getattr(func, "namespace", None) == "fsdp":
+            self._track_written(kwargs["out"])  # FSDP2's copy into the storages it gathers into
         if func in _ATTENTION_BACKWARD:
-            self._spike(attention_backward_workspace(args[_ATTENTION_BACKWARD[func]]))
+            self._spike(attention_backward_workspace(args[_ATTENTION_BACKWARD[func]], self.attention_backend))
         return out
 
     def _spike(self, nbytes: int) -> None:
@@ -542,9 +595,50 @@ class LiveStorageTracker(TorchDispatchMode):
                 kind = self._kind()
             self._add(storage, *(kind or (None, None)))
 
+    def _track_written(self, out: Any) -> None:
+        """The storages FSDP2's out= copy wrote: counted (again) if their size changed, watched for later resizes.
+
+        FSDP2 frees an all-gathered param by resizing its storage to 0 bytes and gathers it again into the same
+        storage (``free_storage`` / ``alloc_storage``), with no op to see; its copy into them is an out= op
+        (``fsdp.split_with_sizes_copy``). Those storages are polled (:meth:`_poll_resizable`) before a new peak is
+        recorded and at every module call, so a freed one stops counting."""
+        for tensor in _tensors(out):
+            for storage in _storages(tensor):
+                key = storage._cdata
+                if key in self._host:
+                    continue
+                self._resizable.setdefault(key, weakref.ref(storage))
+                record = self._live.get(key)
+                if record is None:
+                    self._add(storage, GATHERED, None)
+                else:
+                    record.kind = GATHERED
+                    self._add(storage, GATHERED, None)  # counts a resize
+
+    def _poll_resizable(self) -> None:
+        """Updates the count of the watched storages whose size changed outside any op (see :meth:`_track_written`)."""
+        self._polling = True
+        try:
+            for key, ref in list(self._resizable.items()):
+                storage = ref()
+                if storage is None:
+                    del self._resizable[key]
+                    continue
+                record = self._live.get(key)
+                raw = storage.nbytes()
+                if record is not None and raw == 0:
+                    del self._live[key]
+                    self._release(record)
+                elif raw > 0 and (record is None or record.raw != raw):
+                    self._add(storage, GATHERED, None)
+        finally:
+            self._polling = False
+
     # ------------------------------------------------------------------------------------------------ hooks
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._resizable:
+            self._poll_resizable()
         if module is self._root and not self._in_backward():
             self._in_head = False
         self._calls.append(_Call(self._names.get(id(module), type(module).__name__)))
@@ -618,4 +712,5 @@ class LiveStorageTracker(TorchDispatchMode):
             where=self._peak_phase[1],
             phase_peaks=dict(self._phase_peaks),
             host_bytes=self._host_bytes,
+            pinned_host_peak_bytes=self._pinned_peak,
         )

@@ -88,7 +88,18 @@ from torchtune_ext.distributed import (
     replicated_params,
     unwrap_key,
 )
-from torchtune_ext.memory import GIB, DeviceAllowance, MemoryEstimator, OffloadedActivations, recipe_step_estimator
+from torchtune_ext.memory import (
+    DeviceAllowance,
+    DryRunTarget,
+    HostMemory,
+    MemoryEstimator,
+    OffloadedActivations,
+    dry_run_target,
+    fit_report,
+    loading_bytes,
+    process_bytes,
+    recipe_step_estimator,
+)
 from torchtune_ext.models import check_adapter_state, init_adapters_
 from torchtune_ext.modules.loss import LinearCrossEntropyLoss
 from torchtune_ext.modules.rope import share_rope_
@@ -1029,6 +1040,7 @@ class QLoRARecipe(FTRecipeInterface):
             if step._enable_activation_offloading:
                 step._activation_offloading = OffloadedActivations()
             step._prepare_model(step_model)
+            step._parallelize()  # [issue 19] FSDP2 on a fake process group (a per-rank dry run); no-op on one rank
             step._setup_loss()
 
         def optimizer(step: QLoRARecipe, step_model: nn.Module) -> torch.optim.Optimizer:
@@ -1077,7 +1089,9 @@ class QLoRARecipe(FTRecipeInterface):
         seq_len = cfg.tokenizer.get("max_seq_len", None)
         if seq_len is None:
             raise ValueError("dry_run=True estimates batches padded to tokenizer.max_seq_len: set it.")
+        target = dry_run_target(cfg, self._device, self._dtype)  # [issue 19] device profile, host, headroom
         estimator = self.memory_estimator(cfg)
+        estimator.attention_backend = target.profile.sdpa_backend(self._dtype) if target.profile else None
         estimate = estimator.estimate(self._batch_size, seq_len)
         lines = [
             estimate.format(),
@@ -1089,21 +1103,17 @@ class QLoRARecipe(FTRecipeInterface):
             f"gradient_accumulation_steps={self._gradient_accumulation_steps}",
         ]
         lines += self._dry_run_costs(cfg)  # [issue 25]
-        if estimate.host_bytes:
-            lines.append(f"  host memory the offloaded activations take: {estimate.host_bytes / GIB:.2f} GiB (pinned)")
-        memory_gib = cfg.get("device_memory_gb", None)
-        if memory_gib is None and self._device.type == "cuda" and torch.cuda.is_available():
-            memory_gib = torch.cuda.get_device_properties(self._device).total_memory / GIB
-        if memory_gib is not None:
-            fits = "fits" if estimate.fits(memory_gib) else "does NOT fit"
-            longest = estimator.max_seq_len_that_fits(memory_gib, self._batch_size)
-            lines += [
-                f"On {memory_gib:.1f} GiB: batch {self._batch_size} x {seq_len} tokens {fits}; the longest sequence "
-                f"that fits at batch {self._batch_size}: {longest} tokens."
-            ]
+        lines += self._dry_run_fits(cfg, estimator, estimate, target)  # [issue 19]
         report = "\n".join(lines)
         print(report, flush=True)
         return report
+
+    def _dry_run_fits(self, cfg: DictConfig, estimator: Any, estimate: Any, target: DryRunTarget) -> List[str]:
+        """[issue 19] Whether the step fits the card and the host (with the headroom), and the longest that does."""
+        checkpoint_dtype = dtype_or_checkpoints(None, self._checkpoint_config(cfg))
+        loading = loading_bytes(estimator.model, checkpoint_dtype, self._dtype)
+        host = HostMemory(process_bytes(), loading, estimate.pinned_host_bytes)
+        return [f"  {line}" for line in fit_report(estimator, estimate, target, host, self._batch_size)]
 
     def _dry_run_costs(self, cfg: DictConfig) -> List[str]:
         """[issue 25] The disk the run will use and, when vocab pruning scans the data, the pass's time (from a
