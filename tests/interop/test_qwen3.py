@@ -79,7 +79,7 @@ QWEN3_SIZES = {
             tie_word_embeddings=True,
         ),
         lora_qwen3_0_6b,
-    ),  # fmt: skip
+    ),
     "1.7B": (
         dict(
             hidden_size=2048,
@@ -90,7 +90,7 @@ QWEN3_SIZES = {
             tie_word_embeddings=True,
         ),
         lora_qwen3_1_7b,
-    ),  # fmt: skip
+    ),
     "4B": (
         dict(
             hidden_size=2560,
@@ -101,7 +101,7 @@ QWEN3_SIZES = {
             tie_word_embeddings=True,
         ),
         lora_qwen3_4b,
-    ),  # fmt: skip
+    ),
     "8B": (
         dict(
             hidden_size=4096,
@@ -112,7 +112,7 @@ QWEN3_SIZES = {
             tie_word_embeddings=False,
         ),
         lora_qwen3_8b,
-    ),  # fmt: skip
+    ),
     "14B": (
         dict(
             hidden_size=5120,
@@ -123,7 +123,7 @@ QWEN3_SIZES = {
             tie_word_embeddings=False,
         ),
         lora_qwen3_14b,
-    ),  # fmt: skip
+    ),
 }
 #: the test checkpoints: Qwen3's heads and norms, small hidden size, MLP and vocabulary.
 SMALL = dict(
