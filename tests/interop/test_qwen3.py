@@ -336,3 +336,19 @@ def test_a_checkpoint_that_is_not_the_configured_model_fails_before_reading_weig
     with pytest.raises(ValueError, match="config.json") as error:
         checkpointer.validate(model, "torchtune_ext.models.qlora_qwen3")
     assert expected in str(error.value)
+
+
+@torch.no_grad()
+def test_kv_cache_decoding_gives_the_full_sequence_logits(base, input_ids, hf_base):
+    """Token-by-token decoding through the KV caches (generation's path through ``Qwen3Attention``) gives the
+    logits of the whole sequence at once, i.e. transformers'."""
+    hf, _ = hf_base
+    model = _unquantized(base)
+    length = 16
+    model.setup_caches(batch_size=input_ids.shape[0], dtype=torch.float32, decoder_max_seq_len=length)
+    mask = torch.tril(torch.ones(length, length, dtype=torch.bool))
+    steps = [
+        model(input_ids[:, i : i + 1], input_pos=torch.tensor([[i]] * input_ids.shape[0]), mask=mask[None, i : i + 1])
+        for i in range(length)
+    ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), hf[:, :length], atol=ATOL, rtol=RTOL)
