@@ -60,22 +60,21 @@ def tune_to_hf(state_dict: Dict[str, torch.Tensor], **_: Any) -> Dict[str, torch
     return {get_mapped_key(key, _QWEN3_TO_HF): value for key, value in state_dict.items()}
 
 
-def qwen3_config_problems(hf_config: Dict[str, Any], model: nn.Module) -> List[str]:
-    """The ``config.json`` settings of a checkpoint that a Qwen3 model does not have.
+def qwen3_config_problems(hf_config: Dict[str, Any], model_type: str, model: nn.Module) -> List[str]:
+    """The ``config.json`` settings of a checkpoint read as ``QWEN3`` that the model does not have.
 
     Args:
         hf_config (Dict[str, Any]): the checkpoint's ``config.json``.
+        model_type (str): ``checkpointer.model_type`` (other types than QWEN3 have no problems here).
         model (nn.Module): the model (meta is fine).
 
     Returns:
-        List[str]: one line per disagreement naming the config key, its value and the model's; empty for a model
-        that is not Qwen3 (or a config that agrees).
+        List[str]: one line per disagreement naming the config key, its value and the model's; empty for another
+        model type (or a config that agrees).
     """
-    from torchtune_ext.models._qwen3 import Qwen3Attention  # models imports checkpoint
-
-    attn = model.layers[0].attn if len(model.layers) else None
-    if not isinstance(attn, Qwen3Attention):
+    if model_type != "QWEN3":
         return []
+    attn = model.layers[0].attn
     built = {
         "head_dim": attn.head_dim,
         "rope_theta": getattr(attn.pos_embeddings, "base", None),

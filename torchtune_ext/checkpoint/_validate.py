@@ -93,7 +93,7 @@ def check_hf_config(
     """
     problems = _model_type_problems(hf_config, model_type) + _size_problems(hf_config, model)
     problems += _tying_problems(hf_config, model, has_lm_head)
-    problems += qwen3_config_problems(hf_config, model)  # [issue 20] settings no weight shape shows
+    problems += qwen3_config_problems(hf_config, model_type, model)  # [issue 20] settings no weight shape shows
     if problems:
         raise ValueError(
             f"The checkpoint's config.json does not match {_builder_name(builder)} (checkpointer.model_type="
