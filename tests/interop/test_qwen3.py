@@ -17,8 +17,9 @@ the wrong place or not at all), then loaded by our builders:
 - bad input: a checkpoint that is not the configured model fails in ``validate`` (headers and config.json only,
   before any weight is read), naming the config key and both values.
 
-Tolerance: 2e-5 absolute + 1e-5 relative on logits of magnitude ~1 (the same fp32 function in a different order of
-operations).
+Tolerance: 2e-5 absolute + 1e-5 relative on logits of magnitude ~2 (the same fp32 function in a different order of
+operations; the unquantized logits measured equal to transformers' sdpa ones to the bit). torchtune 0.6.1's norm
+order moves them by 0.6-0.8.
 """
 
 import os
