@@ -4,9 +4,8 @@ run trains: its losses equal the uninterrupted run's, and it says where it resum
 
 Runs are real processes (``tune run``, gloo on CPU) of the tiny model, 4 steps of 16 samples (global batch 8 x
 gradient accumulation 2, so that a step spans several micro-batches on every world size). One process runs the
-single-device recipe. 2 -> 4 ranks: the tiny model's k/v projections hold 2 NF4 scaler groups, which do not split
-over 4 ranks until NF4 weights can be sharded unevenly (issue 23 item 2); the data position itself is checked for
-2 -> 4 in ``tests/torchtune_ext/checkpoint/test_recipe_state.py``.
+single-device recipe. 2 -> 4 ranks: the tiny model's k/v projections hold 2 NF4 scale groups, sharded unevenly over
+4 ranks (one group each on two ranks, padding on the others: ``torchtune_ext.nf4.UnevenNF4Tensor``).
 """
 
 import os
@@ -92,9 +91,7 @@ def uninterrupted(base, tmp_path_factory) -> Dict[int, float]:
     [
         (2, 1),
         (1, 2),
-        pytest.param(
-            2, 4, marks=pytest.mark.skip(reason="the tiny model's NF4 scalers do not split over 4 ranks (issue 23.2)")
-        ),
+        (2, 4),
     ],
 )
 def test_resume_on_another_world_size_matches_an_uninterrupted_run(base, uninterrupted, tmp_path, saved_on, resumed_on):

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from torchtune_ext.distributed._nf4_sharding import whole_nf4_params
+from torchtune_ext.distributed._nf4_sharding import prepare_nf4_sharding
 
 #: how a vocab-pruning module is distributed (config ``vocab_pruning.sharding``).
 VOCAB_PRUNING_SHARDING = ("sharded", "replicated")
@@ -57,7 +57,8 @@ def shard_model(
         reshard_after_forward (bool): free gathered params after forward (FULL_SHARD) or keep them (SHARD_GRAD_OP).
         cpu_offload (bool): FSDP CPU offload of params, grads and optimizer state (accelerators only).
 
-    NF4 weights whose rows or scale groups do not divide the world size are kept whole on every rank
+    NF4 weights whose rows or scale groups do not divide the world size are sharded unevenly by whole scale groups
+    (padded, :class:`torchtune_ext.nf4.UnevenNF4Tensor`); one with a single scale group is kept whole on every rank
     (:func:`torchtune_ext.distributed.check_nf4_sharding` says which, and logs their bytes per rank).
 
     On a single rank nothing is sharded (FSDP would only add copies, and torchao's NF4 does not support FSDP2's
@@ -80,7 +81,7 @@ def shard_model(
         common["offload_policy"] = CPUOffloadPolicy()
     compute = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    whole = whole_nf4_params(model, world_size)
+    whole = prepare_nf4_sharding(model, world_size)
     ignored = set(whole)
     if vocab_pruning is not None:
         if vocab_pruning_sharding == "sharded":

@@ -38,7 +38,14 @@ from torchtune_ext.distributed._utils import (
     tie_roots,
     world_info,
 )
-from torchtune_ext.nf4 import NF4_SHARDED_TENSORS, NF4Tensor, dequantize_nf4, nf4_from_inner
+from torchtune_ext.nf4 import (
+    NF4_SHARDED_TENSORS,
+    NF4Tensor,
+    UnevenNF4Tensor,
+    dequantize_nf4,
+    nf4_from_inner,
+    nf4_n_blocks,
+)
 
 DeviceLike = Union[str, torch.device, None]
 
@@ -198,10 +205,13 @@ def _gather_nf4(value: DTensor, plan: _Plan, device: torch.device, is_src: bool)
     inner = [out.view(size, -1) for out, _ in gathered]
     means = inner[3].view(-1)
     if bool((means == means[0]).all()):
+        # Uneven shards end in padding: cut each inner tensor to the whole weight's length.
+        blocks = nf4_n_blocks(value.shape, local.block_size)
+        lengths = (blocks, blocks // local.scaler_block_size, blocks * local.block_size // 2)
         full = nf4_from_inner(
             local,
             value.shape,
-            **dict(zip(NF4_SHARDED_TENSORS, (t.view(-1) for t in inner[:3]))),
+            **{name: t.reshape(-1)[:n] for name, t, n in zip(NF4_SHARDED_TENSORS, inner[:3], lengths)},
             scaler_mean=means[0],
             nf4=local.nf4.to(device),
         )
@@ -407,6 +417,11 @@ def _sharded_entry(value: torch.Tensor, precision: Optional[torch.dtype], keep_n
     """One rank's share of an entry, with ``precision`` applied locally; a DTensor stays a DTensor."""
     value = value.detach()
     local = value._local_tensor if isinstance(value, DTensor) else value
+    if isinstance(local, UnevenNF4Tensor) and not keep_nf4:
+        raise ValueError(
+            f"An unevenly sharded NF4 weight of shape {tuple(value.shape)} holds scale groups, not rows, on each rank, "
+            "so its shard has no dense rows to return; pass keep_nf4=True or take a full state dict."
+        )
     if isinstance(local, NF4Tensor) and not keep_nf4:
         local = dequantize_nf4(local, precision)
     elif precision is not None and not isinstance(local, NF4Tensor):

@@ -3,9 +3,9 @@
 Each rank writes only its own shard: a DTensor parameter takes the box of the full tensor that its local shard
 covers, an NF4 one quantizes just that box. FSDP all-gathers NF4 shards under one ``scaler_mean`` (the shard's),
 so a shard is quantized with the scale mean of the *whole* tensor and equals the same rows of ``to_nf4(full)``
-bit for bit. Materialized parameters are written in place (ties, optimizer references and FSDP's bookkeeping stay
-intact); parameters on the meta device are replaced through ``load_state_dict(assign=True)``, one new parameter per
-tie group.
+bit for bit (an unevenly sharded one: the same scale groups). Materialized parameters are written in place (ties,
+optimizer references and FSDP's bookkeeping stay intact); parameters on the meta device are replaced through
+``load_state_dict(assign=True)``, one new parameter per tie group.
 """
 
 from __future__ import annotations
@@ -28,7 +28,15 @@ from torchtune_ext.distributed._utils import (
     tie_roots,
     world_info,
 )
-from torchtune_ext.nf4 import NF4_SHARDED_TENSORS, NF4Tensor, dequantize_nf4, nf4_scaler_mean, quantize_nf4
+from torchtune_ext.nf4 import (
+    NF4_SHARDED_TENSORS,
+    NF4Tensor,
+    UnevenNF4Tensor,
+    dequantize_nf4,
+    nf4_scaler_mean,
+    quantize_nf4,
+    quantize_nf4_shard,
+)
 
 DeviceLike = Union[str, torch.device, None]
 
@@ -144,6 +152,8 @@ def _new_local(full: torch.Tensor, value: torch.Tensor, device: Optional[torch.d
         if mesh.get_coordinate() is None:
             return None
         device = device or (local.device if not local.is_meta else mesh_device(mesh))
+        if isinstance(local, UnevenNF4Tensor):  # its scale groups, not its rows (torchtune_ext.nf4._uneven)
+            return quantize_nf4_shard(full.to(device), local, mesh.get_local_rank())
         box = local_box(value.shape, mesh, value.placements)
         if box is not None:
             piece = full[box]

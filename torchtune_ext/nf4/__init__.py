@@ -21,9 +21,11 @@ from torchtune_ext.nf4._codec import (
     nf4_scaler_mean,
     quantize_nf4,
 )
+from torchtune_ext.nf4._uneven import UnevenNF4Tensor, nf4_groups_per_rank, nf4_shard_groups, quantize_nf4_shard
 
 __all__ = [
     "NF4Tensor",
+    "UnevenNF4Tensor",
     "NF4_BLOCK_SIZE",
     "NF4_SCALER_BLOCK_SIZE",
     "NF4_SHARDED_TENSORS",
@@ -34,9 +36,12 @@ __all__ = [
     "dequantize_nf4_scalers",
     "nf4_even_world_sizes",
     "nf4_from_inner",
+    "nf4_groups_per_rank",
+    "nf4_shard_groups",
     "nf4_n_blocks",
     "nf4_scaler_block_size",
     "nf4_scaler_mean",
     "quantize_nf4",
+    "quantize_nf4_shard",
     "to_nf4",
 ]

@@ -1,6 +1,6 @@
-"""NF4 weights on any number of ranks: every shipped builder's real shapes split (or are kept whole) on 2, 3, 4 and 8
-ranks, checked on the meta device under a fake process group; real gloo groups of 2 and 3 ranks gather and train
-like one device."""
+"""NF4 weights on any number of ranks: every shipped builder's real shapes are sharded on 2, 3, 4 and 8 ranks (evenly,
+or unevenly by whole scale groups with padded shards), checked on the meta device under a fake process group; real
+gloo groups of 2 and 3 ranks gather and train like one device, and their full state dicts equal its, bit for bit."""
 
 import os
 import re
@@ -15,14 +15,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import run_distributed
 from safetensors.torch import load_file
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from torchtune_ext import models
-from torchtune_ext.distributed import check_nf4_sharding, get_full_state_dict, shard_model
+from torchtune_ext.distributed import check_nf4_sharding, get_full_state_dict, get_model_state_dict, shard_model
+from torchtune_ext.distributed._nf4_sharding import prepare_nf4_sharding
 from torchtune_ext.models import materialize_
-from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4, nf4_from_inner, quantize_nf4
+from torchtune_ext.nf4 import (
+    NF4Tensor,
+    UnevenNF4Tensor,
+    dequantize_nf4,
+    nf4_shard_groups,
+    quantize_nf4,
+    quantize_nf4_shard,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 SHARDED_INNER = ("quantized_scalers", "quantization_factor", "quantized_data")
@@ -38,52 +47,121 @@ def _nf4_params(model):
     return {n: p for n, p in model.named_parameters() if isinstance(getattr(p, "_local_tensor", p), NF4Tensor)}
 
 
+def _fsdp_rows(rows: int, world_size: int, rank: int) -> int:
+    """The rows of FSDP2's shard on ``rank`` (torch.chunk, then empty shards)."""
+    chunk = -(-rows // world_size)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+def _shard_alone(weight: NF4Tensor, world_size: int, rank: int) -> NF4Tensor:
+    """``weight`` in a module of its own, laid out as shard_model lays it out, on ``rank`` of a fake group."""
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        assert prepare_nf4_sharding(module, world_size) == set()
+        fully_shard(module)
+    finally:
+        dist.destroy_process_group()
+    return module.weight._local_tensor
+
+
+def _check_layout(whole: NF4Tensor, world_size: int, ranks=None) -> List[NF4Tensor]:
+    """Every rank's shard (of ``ranks``; default the first and last) has FSDP2's rows and all-gather inputs of one
+    size; gathered and cut, they are the whole weight's inner tensors; an even split is torchao's own (rows and
+    groups over the world size). Returns the shards."""
+    rows, groups = whole.shape[0], whole.quantization_factor.numel()
+    even = rows % world_size == 0 and groups % world_size == 0 and whole.numel() % whole.block_size == 0
+    sizes, shards = set(), []
+    for rank in sorted({0, world_size - 1}) if ranks is None else ranks:
+        local = _shard_alone(whole, world_size, rank)
+        shards.append(local)
+        assert local.shape == (_fsdp_rows(rows, world_size, rank), whole.shape[1])
+        assert type(local) is (NF4Tensor if even else UnevenNF4Tensor)
+        inputs, metadata = local.fsdp_pre_all_gather(None) if not even else (None, None)
+        if even:
+            for name in SHARDED_INNER:
+                assert getattr(local, name).numel() * world_size == getattr(whole, name).numel(), name
+            continue
+        sizes.add(tuple(t.numel() for t in inputs))
+        outputs = tuple(t.new_empty(t.numel() * world_size) for t in inputs)
+        gathered, _ = local.fsdp_post_all_gather(outputs, metadata, whole.dtype)
+        assert type(gathered) is NF4Tensor and gathered.shape == whole.shape
+        for name in SHARDED_INNER:
+            assert getattr(gathered, name).shape == getattr(whole, name).shape, name
+    assert len(sizes) <= 1  # one all-gather input size on every rank
+    return shards
+
+
+@pytest.mark.parametrize(
+    "shape, world_size",
+    [
+        ((896, 896), 3),  # Qwen2.5-0.5B's q/o: 56 scale groups, 19 + 19 + 18 (+1 padding)
+        ((128, 896), 5),  # its k/v: 8 groups over 5 ranks, the last one padding only
+        ((10, 100), 3),  # the last block padded: never splits evenly
+        ((2, 1024), 3),  # fewer rows than ranks: FSDP2's empty third shard (new_empty)
+    ],
+)
+def test_uneven_shards_gather_to_the_whole_quantization_bit_for_bit(shape, world_size):
+    """Each rank quantizes its own scale groups (the loader's ``quantize_nf4_shard``); the FSDP2 hooks gather them
+    into the whole tensor's ``quantize_nf4``, inner tensor by inner tensor."""
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    whole = quantize_nf4(full)
+    layout = _check_layout(quantize_nf4(full.to("meta")), world_size, ranks=range(world_size))
+    shards = [quantize_nf4_shard(full, template, rank) for rank, template in enumerate(layout)]
+    inputs = [shard.fsdp_pre_all_gather(None) for shard in shards]
+    outputs = tuple(torch.cat(parts) for parts in zip(*(inner for inner, _ in inputs)))
+    gathered, _ = shards[0].fsdp_post_all_gather(outputs, inputs[0][1], torch.bfloat16)
+    for name in (*SHARDED_INNER, "scaler_mean"):
+        assert torch.equal(getattr(gathered, name), getattr(whole, name)), name
+    assert torch.equal(dequantize_nf4(gathered), dequantize_nf4(whole))
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 @pytest.mark.parametrize("builder", BUILDERS, ids=lambda b: b.__name__)
-def test_every_builder_splits_or_keeps_whole(builder, world_size):
+def test_every_builder_shards_on_2_3_4_and_8_ranks(builder, world_size):
+    """Real shapes on the meta device: every NF4 weight is sharded (none kept whole), evenly on 2, 4 and 8 ranks
+    (the per-shape scale groups split so), each distinct shape checked alone on the first and last rank, and the
+    whole model through ``shard_model`` on rank 0."""
     model = _build(builder)
-    full = {name: (tuple(p.shape), p.scaler_block_size) for name, p in _nf4_params(model).items()}
-    plan = check_nf4_sharding(model, world_size)
+    weights = _nf4_params(model)
+    plan = check_nf4_sharding(model, world_size, allow_whole=False)
+    assert plan.whole == () and plan.whole_bytes == 0
     if world_size in (2, 4, 8):
-        assert plan.whole == () and plan.whole_bytes == 0  # the per-shape scale groups split over 2, 4 and 8
+        assert plan.uneven == ()
+    for whole in {(tuple(w.shape), w.scaler_block_size): w for w in weights.values()}.values():
+        _check_layout(whole, world_size)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         shard_model(model, dtype=torch.bfloat16)
     finally:
         dist.destroy_process_group()
     params = _nf4_params(model)
-    assert params.keys() == full.keys()
-    for name, param in params.items():
-        shape, scaler_block_size = full[name]
-        whole = quantize_nf4(torch.empty(shape, dtype=torch.bfloat16, device="meta"))
-        if name in plan.whole:
-            assert type(param) is NF4Tensor and param.shape == shape, name  # whole on every rank
-            continue
-        assert isinstance(param, DTensor), name
-        local = param._local_tensor
-        assert local.shape == (shape[0] // world_size, shape[1]) and local.scaler_block_size == scaler_block_size
-        # The gather: the inner tensors of the shards, concatenated, are the whole weight's.
-        gathered = nf4_from_inner(
-            local,
-            shape,
-            **{n: torch.cat([getattr(local, n)] * world_size) for n in SHARDED_INNER},
-            scaler_mean=local.scaler_mean,
-            nf4=local.nf4,
-        )
-        for inner in SHARDED_INNER:
-            assert getattr(gathered, inner).shape == getattr(whole, inner).shape, (name, inner)
-    assert len(plan.whole) + sum(isinstance(p, DTensor) for p in params.values()) == len(full)
+    assert params.keys() == weights.keys() and all(isinstance(p, DTensor) for p in params.values())
+    uneven = {name for name, p in params.items() if isinstance(p._local_tensor, UnevenNF4Tensor)}
+    assert uneven == set(plan.uneven)
 
 
-def test_refused_layout_names_weight_shape_and_world_sizes():
+def test_uneven_shards_of_qwen2_5_0_5b_on_3_ranks_are_logged():
     model = _build(models.qlora_qwen2_5_0_5b)
-    assert check_nf4_sharding(model, 2, allow_whole=False).whole == ()
-    with pytest.raises(
-        ValueError, match=r"layers\.0\.attn\.q_proj\.weight of shape \(896, 896\).*3 ranks.*\[1, 2, 4, 7, 8\]"
-    ):
-        check_nf4_sharding(model, 3, allow_whole=False)
+    assert check_nf4_sharding(model, 2, allow_whole=False).uneven == ()
+    plan = check_nf4_sharding(model, 3, allow_whole=False)
+    assert len(plan.uneven) == 24 * 7 and plan.whole == ()
+    q_proj = _nf4_params(model)["layers.0.attn.q_proj.weight"]  # 896x896: 56 scale groups of 224 blocks
+    assert q_proj.quantization_factor.numel() == 56 and nf4_shard_groups(q_proj, 3) == 19  # 19, 19, 18 + 1 padding
+    assert "0 weight(s) kept whole on every rank (0.0 MiB per rank" in plan.summary()
+    assert "168 split unevenly" in plan.summary()
+
+
+def test_single_scale_group_is_kept_whole_or_refused_naming_weight_shape_and_world_sizes():
+    """13 blocks of 64: one scale group, so a padded shard is the whole weight: kept whole, or refused."""
+    model = torch.nn.Module()
+    model.proj = torch.nn.Module()
+    model.proj.weight = torch.nn.Parameter(quantize_nf4(torch.randn(13, 64)), requires_grad=False)
     plan = check_nf4_sharding(model, 3)
-    assert len(plan.whole) == 24 * 7 and "MiB per rank" in plan.summary()
+    assert plan.whole == ("proj.weight",) and plan.whole_bytes > 0 and "1 weight(s) kept whole" in plan.summary()
+    with pytest.raises(ValueError, match=r"proj\.weight of shape \(13, 64\).*3 ranks.*single scale group.*\[1\]"):
+        check_nf4_sharding(model, 3, allow_whole=False)
     with pytest.raises(ValueError, match="world_size=0"):
         check_nf4_sharding(model, 0)
 
@@ -101,15 +179,25 @@ def _gloo_worker(rank: int, world_size: int) -> None:
 
     reference, model = build("cpu"), build("meta")
     plan = check_nf4_sharding(model, world_size)
-    assert bool(plan.whole) == (world_size == 3)  # tiny Qwen's 256/128/512 rows do not divide 3
+    assert plan.whole == () and bool(plan.uneven) == (world_size == 3)  # tiny Qwen's 256/128/512 rows and 3
     shard_model(model, dtype=torch.float32)
     materialize_(model, "cpu", seed=0)
     expected = dict(reference.named_parameters())
+    assert not [name for name, param in model.named_parameters() if param.is_meta]
     for name, param in _nf4_params(model).items():
-        assert isinstance(param, DTensor) == (name not in plan.whole), name
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+        assert isinstance(param, DTensor), name
+        assert isinstance(param._local_tensor, UnevenNF4Tensor) == (name in plan.uneven), name
+    if plan.uneven:  # a shard of scale groups has no dense rows of its own
+        with pytest.raises(ValueError, match="keep_nf4=True"):
+            get_model_state_dict(model, sharded_state_dict=True)
+        shards = get_model_state_dict(model, sharded_state_dict=True, keep_nf4=True, include_keys="*.weight")
+        assert all(isinstance(shards[name]._local_tensor, UnevenNF4Tensor) for name in plan.uneven)
+    gathered = get_full_state_dict(model, is_rank_zero=rank == 0, keep_nf4=True, include_keys="*.weight")
+    for name in _nf4_params(model) if rank == 0 else ():
+        full = gathered[name]
         assert isinstance(full, NF4Tensor), name
-        assert torch.equal(dequantize_nf4(full), dequantize_nf4(expected[name])), name
+        for inner in ("quantized_scalers", "quantization_factor", "quantized_data", "scaler_mean"):  # bit for bit
+            assert torch.equal(getattr(full, inner), getattr(expected[name], inner)), (name, inner)
     gen = torch.Generator().manual_seed(1)
     tokens, labels = torch.randint(0, 512, (2, 12), generator=gen), torch.randint(0, 512, (2, 12), generator=gen)
     loss, ref_loss = _loss(model, tokens, labels), _loss(reference, tokens, labels)
@@ -156,8 +244,8 @@ def _tune_run(recipe: str, config: str, out: Path, base: Path, batch_size: int, 
 
 @pytest.mark.integration_test
 @pytest.mark.distributed
-def test_recipe_on_3_ranks_keeps_nf4_whole_and_matches_one_device(tmp_path):
-    """The tiny model's NF4 rows (256, 128, 512) do not divide 3: kept whole, loaded by the recipe's streaming
+def test_recipe_on_3_ranks_shards_nf4_unevenly_and_matches_one_device(tmp_path):
+    """The tiny model's NF4 rows (256, 128, 512) do not divide 3: sharded unevenly, loaded by the recipe's streaming
     loader on every rank; the losses and the adapter equal the single-device recipe's on the same global batch."""
     base = tmp_path / "base"
     single = _tune_run("qlora_finetune_single_device", "qlora_single_device", tmp_path / "single", base, 12)

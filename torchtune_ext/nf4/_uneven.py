@@ -1,0 +1,266 @@
+"""NF4 weights sharded unevenly by FSDP2: whole scale groups per rank, the trailing ranks' shards padded.
+
+Why a fork of torchao's NF4Tensor FSDP2 support: torchao (``nf4_tensor.py``) splits an NF4 weight only into equal
+row shards: its ``aten.split`` asserts that every inner tensor divides by the number of chunks, its ``aten.slice``
+refuses an end short of the shard (FSDP2 narrows the last rank's padded shard so), it has no ``aten.new_empty``
+(FSDP2 makes the empty shards of ranks past the last row so), and its ``fsdp_post_all_gather`` sizes the gathered
+weight as the local rows times the world size, which differs per rank when the rows do not divide. FSDP2 shards a
+plain tensor unevenly: ``torch.chunk`` of the rows (``ceil(rows / world_size)`` each), every rank's shard padded to
+the first one's size, the gathered tensor cut back. A row shard of an NF4 weight would cut a scale group (or a
+block) in two, so an :class:`UnevenNF4Tensor` chunks its *inner* tensors by whole scale groups instead: chunk ``i``
+of FSDP's row chunks holds scale groups ``[i * g, (i + 1) * g)`` with ``g = ceil(groups / n)`` over the ``n``
+non-empty row chunks (:func:`nf4_groups_per_rank`), padded with zeros to ``g`` groups, so that every rank gathers
+inputs of one size and the gathered inner tensors are the whole weight's plus zero padding at the end, which
+:meth:`UnevenNF4Tensor.fsdp_post_all_gather` cuts off. A shard's row shape is FSDP's (for DTensor metadata), its
+values are its scale groups: only the gather (and the state-dict tooling, through :func:`nf4_shard_groups`) reads
+them. Where the rows and groups split evenly this is torchao's layout exactly.
+
+Forked: split, new_zeros, new_empty, slice and copy_ (the ops FSDP2 applies to an unevenly sharded parameter), and the
+two FSDP2 hooks. Every other op (and torchao's torch-function handlers: narrow, to, ...) is torchao's, its NF4
+result re-wrapped in the subclass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from torchtune_ext._compat import NF4Tensor
+from torchtune_ext.nf4._codec import (
+    _NF4_LEVELS,
+    NF4_SHARDED_TENSORS,
+    _tensor_meta,
+    nf4_from_inner,
+    nf4_n_blocks,
+    nf4_scaler_mean,
+    quantize_nf4,
+)
+
+aten = torch.ops.aten
+
+
+def nf4_groups_per_rank(rows: int, groups: int, world_size: int) -> int:
+    """The scale groups each rank holds (the last ones padded) when FSDP2 shards ``rows`` over ``world_size`` ranks.
+
+    FSDP2's ``torch.chunk`` gives ``n = ceil(rows / ceil(rows / world_size))`` non-empty row chunks; the groups are
+    spread over those ``n`` ranks (the others hold padding only, as FSDP's empty row shards do).
+
+    Args:
+        rows (int): the weight's rows.
+        groups (int): its scale groups (blocks over ``scaler_block_size``).
+        world_size (int): the number of ranks.
+
+    Returns:
+        int: ``ceil(groups / n)``.
+    """
+    chunk_rows = -(-rows // world_size)
+    return -(-groups // -(-rows // chunk_rows))
+
+
+def nf4_shard_groups(weight: NF4Tensor, world_size: int) -> int:
+    """:func:`nf4_groups_per_rank` of a whole NF4 weight.
+
+    Args:
+        weight (NF4Tensor): the whole weight (meta is fine).
+        world_size (int): the number of ranks.
+
+    Returns:
+        int: the scale groups per rank.
+    """
+    groups = nf4_n_blocks(weight.shape, weight.block_size) // weight.scaler_block_size
+    return nf4_groups_per_rank(weight.shape[0], groups, world_size)
+
+
+def _inner_sizes(weight: NF4Tensor, groups: int) -> Dict[str, int]:
+    """The lengths of the sharded inner tensors that hold ``groups`` scale groups."""
+    blocks = groups * weight.scaler_block_size
+    data = blocks * weight.block_size // 2
+    return {"quantized_scalers": blocks, "quantization_factor": groups, "quantized_data": data}
+
+
+class UnevenNF4Tensor(NF4Tensor):
+    """An NF4 weight (whole, or one rank's shard) that FSDP2 shards by whole scale groups (see the module docstring).
+
+    Attributes beyond ``NF4Tensor``'s:
+        full_shape (torch.Size): the whole weight's shape.
+        groups_per_rank (int): the scale groups of one (padded) shard.
+    """
+
+    full_shape: torch.Size
+    groups_per_rank: int
+
+    @classmethod
+    def from_nf4(cls, weight: NF4Tensor, world_size: int) -> UnevenNF4Tensor:
+        """The whole ``weight``, to be sharded over ``world_size`` ranks (shares its inner tensors).
+
+        Args:
+            weight (NF4Tensor): a whole, contiguous NF4 weight.
+            world_size (int): the number of ranks.
+
+        Returns:
+            UnevenNF4Tensor: the same weight.
+        """
+        return _wrap(weight, weight.shape, nf4_shard_groups(weight, world_size))
+
+    @classmethod
+    @torch._dynamo.disable
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(*args, **(kwargs or {}))
+        return _rewrap(super().__torch_dispatch__(func, types, args, kwargs), args)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torchao handles narrow, view_as, to and cpu here and returns plain NF4Tensors.
+        return _rewrap(super().__torch_function__(func, types, args, kwargs), args)
+
+    def fsdp_pre_all_gather(self, mesh: Any) -> Tuple[Tuple[torch.Tensor, ...], Any]:
+        """The padded inner tensors of this shard (the same size on every rank) and what the gather needs."""
+        inner = tuple(getattr(self, name) for name in NF4_SHARDED_TENSORS)
+        return inner, (self.full_shape, self.scaler_mean, self.nf4)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: Tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: Optional[torch.Tensor] = None,
+    ) -> Optional[Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]]:
+        """The whole weight, a plain ``NF4Tensor`` on views of the gathered inner tensors cut to its size; FSDP2
+        frees and reallocates the full gathered tensors (returned second)."""
+        if out is not None:
+            return None  # the views in `out` share the gathered tensors' storage, which FSDP2 has refilled
+        full_shape, scaler_mean, nf4 = metadata
+        groups = nf4_n_blocks(full_shape, self.block_size) // self.scaler_block_size
+        sizes = _inner_sizes(self, groups)
+        inner = {name: gathered[: sizes[name]] for name, gathered in zip(NF4_SHARDED_TENSORS, all_gather_outputs)}
+        return nf4_from_inner(self, full_shape, scaler_mean=scaler_mean, nf4=nf4, **inner), tuple(all_gather_outputs)
+
+
+def _rewrap(out: Any, args: Sequence[Any]) -> Any:
+    """``out`` of torchao's handler: an NF4Tensor becomes a shard like the first UnevenNF4Tensor of ``args``."""
+    source = next((a for a in args if isinstance(a, UnevenNF4Tensor)), None)
+    if type(out) is not NF4Tensor or source is None:
+        return out
+    return _wrap(out, source.full_shape, source.groups_per_rank)
+
+
+def _wrap(
+    weight: NF4Tensor, shape: Sequence[int], groups_per_rank: int, size: Optional[Sequence[int]] = None, **inner: Any
+) -> UnevenNF4Tensor:
+    """An :class:`UnevenNF4Tensor` of outer ``size`` (default ``weight``'s) on ``weight``'s tensors, ``inner``
+    replacing some of them."""
+    size = torch.Size(weight.shape if size is None else size)
+    tensors = {name: inner.get(name, getattr(weight, name)) for name in (*NF4_SHARDED_TENSORS, "scaler_mean", "nf4")}
+    meta = _tensor_meta(size, weight.dtype, tensors["quantized_data"].device)
+    result = UnevenNF4Tensor(
+        meta,
+        weight.block_size,
+        nf4_n_blocks(size, weight.block_size) if math.prod(size) else 0,
+        weight.scaler_block_size,
+        tensors["quantized_scalers"],
+        tensors["quantization_factor"],
+        tensors["scaler_mean"],
+        tensors["quantized_data"],
+        tensors["nf4"],
+    )
+    result.full_shape = torch.Size(shape)
+    result.groups_per_rank = groups_per_rank
+    return result
+
+
+def _split(weight: UnevenNF4Tensor, split_size: int, dim: int = 0) -> list:
+    """FSDP2's ``torch.chunk`` of the whole weight: row chunks of ``split_size``, each with its scale groups."""
+    if dim != 0 or weight.shape != weight.full_shape:
+        raise NotImplementedError(f"aten.split(UnevenNF4Tensor) of a shard or along dim {dim}")
+    rows, group = weight.shape[0], weight.groups_per_rank
+    lengths = _inner_sizes(weight, group)
+    chunks = []
+    for index, start in enumerate(range(0, rows, split_size)):
+        size = (min(split_size, rows - start), *weight.shape[1:])
+        inner = {name: getattr(weight, name)[index * n : (index + 1) * n] for name, n in lengths.items()}
+        chunks.append(_wrap(weight, weight.full_shape, group, size, **inner))
+    return chunks
+
+
+def _new_shard(weight: UnevenNF4Tensor, size: Sequence[int], make: Callable[..., torch.Tensor], groups: int, **kwargs):
+    device = kwargs.get("device") or weight.device
+    inner = {
+        name: make(n, dtype=getattr(weight, name).dtype, device=device)
+        for name, n in _inner_sizes(weight, groups).items()
+    }
+    return _wrap(weight, weight.full_shape, weight.groups_per_rank, size, **inner)
+
+
+def _new_zeros(weight: UnevenNF4Tensor, size: Sequence[int], **kwargs: Any) -> UnevenNF4Tensor:
+    """A padded shard of zeros (FSDP2 pads each rank's shard into one)."""
+    return _new_shard(weight, size, torch.zeros, weight.groups_per_rank, **kwargs)
+
+
+def _new_empty(weight: UnevenNF4Tensor, size: Sequence[int], **kwargs: Any) -> UnevenNF4Tensor:
+    """An empty shard (FSDP2's chunk of a rank past the last row)."""
+    if math.prod(size) != 0:
+        raise NotImplementedError(f"aten.new_empty(UnevenNF4Tensor) of size {list(size)}")
+    return _new_shard(weight, size, torch.empty, 0, **kwargs)
+
+
+def _slice(weight: UnevenNF4Tensor, dim: int = 0, start: Optional[int] = 0, end: Optional[int] = None, step: int = 1):
+    """FSDP2's ``narrow(0, 0, rows)`` of a padded shard: fewer rows, the same (padded) scale groups."""
+    if dim != 0 or start not in (0, None) or step != 1:
+        raise NotImplementedError(f"aten.slice(UnevenNF4Tensor, dim={dim}, start={start}, step={step})")
+    rows = weight.shape[0] if end is None else min(end, weight.shape[0])
+    return _wrap(weight, weight.full_shape, weight.groups_per_rank, (rows, *weight.shape[1:]))
+
+
+def _copy(target: UnevenNF4Tensor, source: torch.Tensor, non_blocking: bool = False) -> UnevenNF4Tensor:
+    """Copies a shard's scale groups into the head of ``target``'s (a padded shard)."""
+    if not isinstance(source, UnevenNF4Tensor) or source.scaler_block_size != target.scaler_block_size:
+        raise NotImplementedError("aten.copy_ into an UnevenNF4Tensor from anything but a shard of the same weight")
+    for name in NF4_SHARDED_TENSORS:
+        value = getattr(source, name)
+        getattr(target, name)[: value.numel()].copy_(value)
+    for name in ("scaler_mean", "nf4"):
+        if getattr(target, name) is not getattr(source, name):
+            setattr(target, name, getattr(source, name))
+    return target
+
+
+_HANDLERS: Dict[Any, Callable[..., Any]] = {
+    aten.split.Tensor: _split,
+    aten.new_zeros.default: _new_zeros,
+    aten.new_empty.default: _new_empty,
+    aten.slice.Tensor: _slice,
+    aten.copy_.default: _copy,
+}
+
+
+def quantize_nf4_shard(full: torch.Tensor, shard: UnevenNF4Tensor, rank: int) -> UnevenNF4Tensor:
+    """Rank ``rank``'s padded shard of ``full`` quantized as ``shard`` is laid out: the same scale groups as in the
+    whole tensor's quantization, bit for bit (the whole tensor's scale mean).
+
+    Args:
+        full (torch.Tensor): the whole dense weight (``shard.full_shape``).
+        shard (UnevenNF4Tensor): this rank's shard (supplies dtype, block sizes, rows and groups per rank).
+        rank (int): the rank's index in the shard's mesh.
+
+    Returns:
+        UnevenNF4Tensor: a shard of ``shard``'s shape on ``full``'s device.
+    """
+    values = shard.scaler_block_size * shard.block_size
+    group = shard.groups_per_rank
+    flat = full.to(shard.dtype).reshape(-1)
+    start, stop = min(flat.numel(), rank * group * values), min(flat.numel(), (rank + 1) * group * values)
+    padded = _new_shard(shard, shard.shape, torch.zeros, group, device=full.device)
+    padded.scaler_mean = nf4_scaler_mean(full, shard.dtype, shard.block_size)
+    padded.nf4 = torch.tensor(_NF4_LEVELS, dtype=shard.dtype, device=full.device)
+    if stop > start:  # a rank past the last scale group holds padding only
+        piece = flat[start:stop].view(1, -1)
+        quantized = quantize_nf4(piece, shard.block_size, shard.scaler_block_size, scaler_mean=padded.scaler_mean)
+        for name in NF4_SHARDED_TENSORS:
+            value = getattr(quantized, name)
+            getattr(padded, name)[: value.numel()].copy_(value)
+    return padded
