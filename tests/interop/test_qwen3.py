@@ -13,7 +13,8 @@ the wrong place or not at all), then loaded by our builders:
   (untied), shrunk to the checkpoint's sizes, train a few fp32 steps; before training our QLoRA model gives the
   logits of transformers run on the dequantized NF4 weights, and after training the merged folder (in
   transformers, as ``Qwen3ForCausalLM``) and the PEFT adapter on the dequantized base (in peft) give the recipe
-  model's logits;
+  model's logits; the same for the distributed ``14B_qlora.yaml`` on 2 gloo ranks (untied);
+- KV-cache decoding (generation's path) gives the full-sequence logits;
 - bad input: a checkpoint that is not the configured model fails in ``validate`` (headers and config.json only,
   before any weight is read), naming the config key and both values.
 
@@ -224,8 +225,9 @@ def test_q_k_norms_apply_per_head_before_rope(base, input_ids, hf_base):
     assert (model(input_ids) - hf).abs().max() > 100 * ATOL
 
 
-def _train(out: Path, base: Path, config: str) -> DictConfig:
-    """A few fp32 CPU steps of the shipped config, shrunk to the checkpoint, with the tiny tokenizer and data set."""
+def _train(out: Path, base: Path, config: str, nproc: int = 0) -> DictConfig:
+    """A few fp32 CPU steps of the shipped config, shrunk to the checkpoint, with the tiny tokenizer and data set
+    (``nproc`` > 0: the distributed recipe on that many gloo ranks)."""
     arch = {k: SMALL[k] for k in ("vocab_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")}
     args = [
         f"output_dir={out}",
@@ -256,13 +258,16 @@ def _train(out: Path, base: Path, config: str) -> DictConfig:
         f"metric_logger.log_dir={out}/logs",
     ]
     removed = ["~tokenizer.path", "~tokenizer.merges_file", "~tokenizer.special_tokens_path", "~dataset.packed"]
+    recipe = "recipes/qlora_finetune_distributed.py" if nproc else "recipes/qlora_finetune_single_device.py"
+    launch = ["--nproc_per_node", str(nproc)] if nproc else []
+    args += ["process_group_timeout_s=120"] if nproc else []
     result = subprocess.run(
-        [str(TUNE), "run", "recipes/qlora_finetune_single_device.py", "--config", config, *args, *removed],
+        [str(TUNE), "run", *launch, recipe, "--config", config, *args, *removed],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
+        env={**os.environ, "OMP_NUM_THREADS": "1" if nproc else "2"},
     )
     assert result.returncode == 0, f"recipe run failed (rc {result.returncode}):\n{result.stderr[-6000:]}"
     return OmegaConf.merge(OmegaConf.load(ROOT / config), OmegaConf.from_dotlist(args))
@@ -299,6 +304,26 @@ def test_merged_model_and_adapter_in_transformers_and_peft_give_the_recipe_logit
     assert report["merged"]["class"] == "Qwen3ForCausalLM" and report["merged"]["tied"] == tied
     merged_config = read_hf_config(Path(report["merged"]["folder"]))
     assert merged_config["model_type"] == "qwen3" and merged_config["head_dim"] == 128
+    torch.testing.assert_close(hf["merged"], ours, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(hf["peft"], ours, atol=ATOL, rtol=RTOL)
+
+
+def test_distributed_14b_config_trains_and_exports_what_transformers_and_peft_load(base, input_ids, workdir):
+    """``configs/qwen3/14B_qlora.yaml`` (untied, as 14B), shrunk to the checkpoint, on 2 gloo ranks: the merged folder
+    and the adapter give our model's logits with the adapters from the recipe state."""
+    if read_hf_config(base)["tie_word_embeddings"]:
+        pytest.skip("the distributed config is 14B's: untied output")
+    run_dir = workdir / "run_distributed"
+    cfg = _train(run_dir, base, "configs/qwen3/14B_qlora.yaml", nproc=2)
+    ours, untrained, dequantized = _ours(cfg, run_dir, input_ids, None)
+    step = run_dir / f"step_{STEPS}"
+    runs = [
+        {"name": "merged", "model": str(step / "merged")},
+        {"name": "peft", "model": str(dequantized), "adapter": str(step / "adapter")},
+    ]
+    hf, report = hf_logits(input_ids, runs, workdir / "hf_distributed")
+    assert (ours - untrained).abs().max() > 1000 * ATOL
+    assert report["merged"]["class"] == "Qwen3ForCausalLM" and not report["merged"]["tied"]
     torch.testing.assert_close(hf["merged"], ours, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(hf["peft"], ours, atol=ATOL, rtol=RTOL)
 
