@@ -308,6 +308,17 @@ def test_merged_model_and_adapter_in_transformers_and_peft_give_the_recipe_logit
     torch.testing.assert_close(hf["peft"], ours, atol=ATOL, rtol=RTOL)
 
 
+def test_tune_ext_merge_from_config_json_equals_the_recipe_s_merged_folder(base, trained, workdir, tmp_path):
+    """``tune-ext merge`` builds the model from the base's config.json (``model_type: qwen3``): byte for byte the
+    recipe's merged folder."""
+    from torchtune_ext.cli import main
+
+    step = workdir / f"run_{TIED_IDS[read_hf_config(base)['tie_word_embeddings']]}" / f"step_{STEPS}"
+    main(["merge", "--base", str(base), "--adapter", str(step / "adapter"), "--output", str(tmp_path / "merged")])
+    files = lambda folder: {p.name: p.read_bytes() for p in sorted(folder.iterdir())}  # noqa: E731
+    assert files(tmp_path / "merged") == files(step / "merged")
+
+
 def test_distributed_14b_config_trains_and_exports_what_transformers_and_peft_load(base, input_ids, workdir):
     """``configs/qwen3/14B_qlora.yaml`` (untied, as 14B), shrunk to the checkpoint, on 2 gloo ranks: the merged folder
     and the adapter give our model's logits with the adapters from the recipe state."""
