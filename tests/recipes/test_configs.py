@@ -31,6 +31,11 @@ def test_every_model_family_has_a_config():
         "smollm2/135M_qlora_single_device.yaml",
         "smollm2/360M_qlora_single_device.yaml",
         "smollm2/1.7B_qlora_single_device.yaml",
+        "qwen3/0.6B_qlora_single_device.yaml",
+        "qwen3/1.7B_qlora_single_device.yaml",
+        "qwen3/4B_qlora_single_device.yaml",
+        "qwen3/8B_qlora_single_device.yaml",
+        "qwen3/14B_qlora_single_device.yaml",
     }
 
 

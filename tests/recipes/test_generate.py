@@ -161,6 +161,11 @@ SHIPPED = {
     "smollm2/135M",
     "smollm2/360M",
     "smollm2/1.7B",
+    "qwen3/0.6B",
+    "qwen3/1.7B",
+    "qwen3/4B",
+    "qwen3/8B",
+    "qwen3/14B",
 }
 
 

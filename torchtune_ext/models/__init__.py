@@ -18,6 +18,14 @@ from torchtune.models.qwen2_5 import (
 from torchtune_ext.models._from_hf import torchtune_builder_for
 from torchtune_ext.models._init import check_adapter_state, init_adapters_, init_weights_, materialize_
 from torchtune_ext.models._qlora import build_qlora, qlora_builder
+from torchtune_ext.models._qwen3 import (  # [issue 20]
+    lora_qwen3,
+    lora_qwen3_0_6b,
+    lora_qwen3_1_7b,
+    lora_qwen3_4b,
+    lora_qwen3_8b,
+    lora_qwen3_14b,
+)
 from torchtune_ext.models._smollm2 import lora_smollm2, lora_smollm2_1_7b, lora_smollm2_135m, lora_smollm2_360m
 from torchtune_ext.models._tiny import (
     TINY_LLAMA_ARGS,
@@ -44,6 +52,12 @@ qlora_smollm2 = qlora_builder(lora_smollm2)
 qlora_smollm2_135m = qlora_builder(lora_smollm2_135m)
 qlora_smollm2_360m = qlora_builder(lora_smollm2_360m)
 qlora_smollm2_1_7b = qlora_builder(lora_smollm2_1_7b)
+qlora_qwen3 = qlora_builder(lora_qwen3)  # [issue 20]
+qlora_qwen3_0_6b = qlora_builder(lora_qwen3_0_6b)
+qlora_qwen3_1_7b = qlora_builder(lora_qwen3_1_7b)
+qlora_qwen3_4b = qlora_builder(lora_qwen3_4b)
+qlora_qwen3_8b = qlora_builder(lora_qwen3_8b)
+qlora_qwen3_14b = qlora_builder(lora_qwen3_14b)
 
 #: our builder -> the torchtune builder it wraps (tests compare the two).
 QLORA_BUILDERS = {
@@ -62,6 +76,11 @@ QLORA_BUILDERS = {
     qlora_smollm2_135m: lora_smollm2_135m,
     qlora_smollm2_360m: lora_smollm2_360m,
     qlora_smollm2_1_7b: lora_smollm2_1_7b,
+    qlora_qwen3_0_6b: lora_qwen3_0_6b,  # [issue 20]
+    qlora_qwen3_1_7b: lora_qwen3_1_7b,
+    qlora_qwen3_4b: lora_qwen3_4b,
+    qlora_qwen3_8b: lora_qwen3_8b,
+    qlora_qwen3_14b: lora_qwen3_14b,
     qlora_tiny_llama: lora_tiny_llama,
     qlora_tiny_qwen: lora_tiny_qwen,
 }
@@ -83,5 +102,12 @@ __all__ = [
     "materialize_",
     "qlora_builder",
     "qlora_smollm2",
+    "lora_qwen3",  # [issue 20]
+    "lora_qwen3_0_6b",
+    "lora_qwen3_1_7b",
+    "lora_qwen3_4b",
+    "lora_qwen3_8b",
+    "lora_qwen3_14b",
+    "qlora_qwen3",
     *[builder.__name__ for builder in QLORA_BUILDERS],
 ]

@@ -11,17 +11,18 @@ from torchtune.models.llama3_2 import lora_llama3_2
 from torchtune.models.qwen2 import lora_qwen2
 from torchtune.modules import TransformerDecoder
 
+from torchtune_ext.models._qwen3 import lora_qwen3
 from torchtune_ext.models._smollm2 import lora_smollm2
 
 #: HF ``model_type`` -> our checkpointer's model type.
-HF_MODEL_TYPES = {"llama": "LLAMA3_2", "mistral": "MISTRAL", "qwen2": "QWEN2"}
+HF_MODEL_TYPES = {"llama": "LLAMA3_2", "mistral": "MISTRAL", "qwen2": "QWEN2", "qwen3": "QWEN3"}
 
 
 def torchtune_builder_for(hf_config: Dict[str, Any]) -> Tuple[Callable[..., TransformerDecoder], Dict[str, Any], str]:
     """The torchtune ``lora_*`` component builder and its architecture arguments for an HF ``config.json``.
 
     Args:
-        hf_config (Dict[str, Any]): the config (``model_type`` llama, mistral or qwen2).
+        hf_config (Dict[str, Any]): the config (``model_type`` llama, mistral, qwen2 or qwen3).
 
     Returns:
         Tuple[Callable[..., TransformerDecoder], Dict[str, Any], str]: the builder, its arguments (no LoRA
@@ -34,7 +35,7 @@ def torchtune_builder_for(hf_config: Dict[str, Any]) -> Tuple[Callable[..., Tran
     if model_type not in HF_MODEL_TYPES:
         raise ValueError(
             f"config.json has model_type={model_type!r}; supported: {sorted(HF_MODEL_TYPES)} (Llama 2/3.x, Mistral, "
-            "Qwen 2/2.5)."
+            "Qwen 2/2.5, Qwen3)."
         )
     heads = hf_config["num_attention_heads"]
     args = dict(
@@ -51,6 +52,11 @@ def torchtune_builder_for(hf_config: Dict[str, Any]) -> Tuple[Callable[..., Tran
     scaling = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
     args["rope_base"] = hf_config.get("rope_theta", scaling.get("rope_theta", 10_000.0))
     tied = bool(hf_config.get("tie_word_embeddings", False))
+    if model_type == "qwen3":  # [issue 20] head_dim is not hidden_size // heads (0.6B, 4B)
+        if scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise ValueError(f"config.json has rope_scaling={scaling}; Qwen3 is supported without RoPE scaling.")
+        qwen3 = dict(head_dim=hf_config.get("head_dim", args["embed_dim"] // heads), tie_word_embeddings=tied)
+        return lora_qwen3, {**args, **qwen3}, HF_MODEL_TYPES[model_type]
     if model_type == "qwen2":
         return lora_qwen2, {**args, "tie_word_embeddings": tied}, HF_MODEL_TYPES[model_type]
     rope_type = scaling.get("rope_type", scaling.get("type"))

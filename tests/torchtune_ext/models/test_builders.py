@@ -26,11 +26,15 @@ TIED = {
     models.qlora_smollm2_135m,
     models.qlora_smollm2_360m,
     models.qlora_smollm2_1_7b,
+    models.qlora_qwen3_0_6b,
+    models.qlora_qwen3_1_7b,
+    models.qlora_qwen3_4b,
 }
 CASES = [(ours, theirs, False) for ours, theirs in QLORA_BUILDERS.items()] + [
     (models.qlora_llama3_2_1b, QLORA_BUILDERS[models.qlora_llama3_2_1b], True),
     (models.qlora_qwen2_5_0_5b, QLORA_BUILDERS[models.qlora_qwen2_5_0_5b], True),
     (models.qlora_mistral_7b, QLORA_BUILDERS[models.qlora_mistral_7b], True),
+    (models.qlora_qwen3_8b, QLORA_BUILDERS[models.qlora_qwen3_8b], True),
 ]
 
 
