@@ -23,7 +23,7 @@ from torchtune.models import convert_weights
 from torchtune.models.qwen2._convert_weights import _FROM_HF as _QWEN2_FROM_HF
 from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune_to_hf
 
-from torchtune_ext.checkpoint import _safetensors
+from torchtune_ext.checkpoint import _gemma2, _safetensors
 from torchtune_ext.checkpoint._writes import writing
 
 #: the index of a sharded safetensors checkpoint.
@@ -36,6 +36,12 @@ SUPPORTED_MODEL_TYPES: Dict[str, bool] = {
     "LLAMA3_2": True,
     "MISTRAL": True,
     "QWEN2": False,
+    "GEMMA2": True,  # [issue 20]
+}
+
+#: model_type -> (hf_to_tune, tune_to_hf, HF -> torchtune key map) of families with their own conversion.
+_FAMILY_CONVERTERS: Dict[str, Tuple[Callable[..., Any], Callable[..., Any], Dict[str, Any]]] = {
+    "GEMMA2": (_gemma2.hf_to_tune, _gemma2.tune_to_hf, _gemma2.GEMMA2_FROM_HF),  # [issue 20]
 }
 
 _ADAPTER_SUFFIXES = {
@@ -60,7 +66,7 @@ class HFConverter:
     """Per-tensor conversion between HF and torchtune layouts for one model.
 
     Args:
-        model_type (str): torchtune checkpointer model type: LLAMA2, LLAMA3, LLAMA3_2, MISTRAL or QWEN2.
+        model_type (str): torchtune checkpointer model type: LLAMA2, LLAMA3, LLAMA3_2, MISTRAL, QWEN2 or GEMMA2.
         num_heads (int): attention heads.
         num_kv_heads (int): key/value heads.
         embed_dim (int): model dim.
@@ -92,7 +98,12 @@ class HFConverter:
         self.embed_dim = embed_dim
         self.head_dim = head_dim
         self.tie_word_embeddings = tie_word_embeddings
-        from_hf = convert_weights._FROM_HF if self.permutes_qk else _QWEN2_FROM_HF
+        default = (
+            (convert_weights.hf_to_tune, convert_weights.tune_to_hf, convert_weights._FROM_HF)
+            if self.permutes_qk
+            else (qwen2_hf_to_tune, qwen2_tune_to_hf, _QWEN2_FROM_HF)
+        )
+        self._to_tune, self._to_hf, from_hf = _FAMILY_CONVERTERS.get(model_type, default)
         self._tune_to_hf_keys = {tune: hf for hf, tune in from_hf.items() if tune is not None}
         self._hf_to_tune_keys = from_hf
 
@@ -134,8 +145,7 @@ class HFConverter:
         """
         if self.tie_word_embeddings and hf_key == "lm_head.weight":
             return None
-        convert = convert_weights.hf_to_tune if self.permutes_qk else qwen2_hf_to_tune
-        converted = convert({hf_key: tensor}, **self._kwargs())
+        converted = self._to_tune({hf_key: tensor}, **self._kwargs())
         return next(iter(converted.items()), None)
 
     def to_hf(self, tune_key: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
@@ -148,8 +158,7 @@ class HFConverter:
         Returns:
             Tuple[str, torch.Tensor]: HF key and tensor.
         """
-        convert = convert_weights.tune_to_hf if self.permutes_qk else qwen2_tune_to_hf
-        return next(iter(convert({tune_key: tensor}, **self._kwargs()).items()))
+        return next(iter(self._to_hf({tune_key: tensor}, **self._kwargs()).items()))
 
     def to_peft(self, tune_key: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
         """Converts one torchtune adapter tensor to its PEFT key and layout.
