@@ -90,9 +90,10 @@ def gemma2_config_problems(hf_config: Dict[str, Any], model: nn.Module) -> List[
         "rope_theta": getattr(attn.pos_embeddings, "base", None),
         "rms_norm_eps": model.norm.eps,
     }
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     problems = []
     for key, value in built.items():
-        found = hf_config.get(key)
+        found = hf_config.get(key, rope.get(key))
         if found is not None and (value is None or abs(float(found) - float(value)) > 1e-6 * abs(float(found))):
             problems.append(f"config.json has {key}={found} but the model has {value}")
     activation = hf_config.get("hidden_activation") or hf_config.get("hidden_act")
