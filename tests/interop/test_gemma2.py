@@ -17,8 +17,9 @@ at zero, which would hide a swapped norm).
 - bad input: a config that says another sliding window, or a 9B builder on this checkpoint, fails in ``validate``
   (before any weight is read) naming the config key.
 
-Tolerance: 1e-4 absolute + 1e-5 relative on logits of magnitude ~10 (the same fp32 function in another order of
-operations; measured differences about 1e-5).
+Tolerance: 1e-4 absolute + 1e-5 relative on logits up to 28 in magnitude (std 3.8): the same fp32 function in
+another order of operations, measured max difference 4.4e-5. Each wrongly built quirk moves them by 1.4 (query
+scaling) to 20 (logit capping); torchtune's own key mapping (pre/post-MLP norms swapped) by far more than 100x too.
 """
 
 import json
@@ -159,13 +160,26 @@ def test_each_gemma2_quirk_matters(base, input_ids, hf_base, quirk, overrides):
     assert (wrong - hf_base).abs().max() > 100 * ATOL, quirk
 
 
+def test_torchtune_s_own_key_mapping_would_swap_the_mlp_norms(base, input_ids, hf_base):
+    """torchtune 0.6.1's ``gemma2_hf_to_tune`` loads ``pre_feedforward_layernorm`` into the norm after the MLP and
+    ``post_feedforward_layernorm`` into the one before: the corrected mapping is what gives transformers' logits."""
+    from torchtune.models.gemma2._convert_weights import gemma2_hf_to_tune
+
+    model = _unquantized_model(base)
+    attn = model.layers[0].attn
+    geometry = dict(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, dim=256, head_dim=attn.head_dim)
+    theirs = gemma2_hf_to_tune(load_file(base / "model.safetensors"), **geometry)
+    theirs["norm.scale"] = theirs.pop("norm.rms_norm.scale")
+    model.load_state_dict(theirs, strict=False)
+    with torch.no_grad():
+        assert (model(input_ids) - hf_base).abs().max() > 100 * ATOL
+
+
 def test_scaled_embeddings_matter(base, input_ids, hf_base):
     """Gemma 2 multiplies the embeddings by sqrt(hidden_size) (16 here) in the compute dtype: without it the
     logits differ."""
     model = _unquantized_model(base)
-    assert torch.equal(
-        model.tok_embeddings(input_ids[:, :4]), model.tok_embeddings.weight[input_ids[:, :4]] * 16.0
-    )
+    assert torch.equal(model.tok_embeddings(input_ids[:, :4]), model.tok_embeddings.weight[input_ids[:, :4]] * 16.0)
     model.tok_embeddings.forward = lambda ids: torch.nn.functional.embedding(ids, model.tok_embeddings.weight)
     with torch.no_grad():
         assert (model(input_ids) - hf_base).abs().max() > 100 * ATOL
@@ -200,7 +214,7 @@ def _train(out: Path, base: Path) -> DictConfig:
         "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
         f"metric_logger.log_dir={out}/logs",
     ]
-    removed = ["~dataset.packed"]
+    removed = ["~tokenizer.path", "~dataset.packed"]
     result = subprocess.run(
         [str(TUNE), "run", "recipes/qlora_finetune_single_device.py", "--config", CONFIG, *args, *removed],
         cwd=ROOT,
