@@ -21,10 +21,13 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
+from torchtune.models.gemma.gemma_norm_embedding import GemmaNormEmbeddings
 from torchtune.models.gemma.rms_norm import GemmaRMSNorm
 from torchtune.models.gemma2._component_builders import lora_gemma2 as torchtune_lora_gemma2
 from torchtune.modules import TiedLinear, TransformerDecoder
 from torchtune.modules.peft import LORA_ATTN_MODULES
+
+from torchtune_ext.modules.low_precision import FrozenEmbedding, FrozenTiedLinear
 
 
 class LogitSoftCapping(nn.Module):
@@ -53,6 +56,38 @@ class LogitSoftCapping(nn.Module):
         """
         logits = self.projection(x).float()
         return torch.tanh(logits / self.capping_value) * self.capping_value
+
+
+class FrozenGemmaNormEmbeddings(FrozenEmbedding):
+    """torchtune's ``GemmaNormEmbeddings`` (rows times ``sqrt(embedding_dim)`` in the compute dtype) with the table
+    stored in another dtype (:class:`~torchtune_ext.modules.low_precision.FrozenEmbedding`)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            input (torch.Tensor): token ids.
+
+        Returns:
+            torch.Tensor: their scaled embeddings in the compute dtype.
+        """
+        x = super().forward(input)
+        return x * torch.tensor(self.embedding_dim**0.5, dtype=x.dtype)
+
+
+def store_gemma2_frozen_weights_in_(model: TransformerDecoder, dtype: torch.dtype, storage_dtype: torch.dtype) -> None:
+    """A Gemma 2 model's token embedding (and so its tied output) stored in ``storage_dtype``, computing in ``dtype``.
+
+    Args:
+        model (TransformerDecoder): a :func:`lora_gemma2` model (on meta); other models are left as they are.
+        dtype (torch.dtype): compute dtype.
+        storage_dtype (torch.dtype): storage dtype of the table.
+    """
+    embedding = model.tok_embeddings
+    if type(embedding) is not GemmaNormEmbeddings or not isinstance(model.output, LogitSoftCapping):
+        return
+    vocab_size, embed_dim = embedding.num_embeddings, embedding.embedding_dim
+    model.tok_embeddings = FrozenGemmaNormEmbeddings(vocab_size, embed_dim, dtype, storage_dtype)
+    model.output.projection = FrozenTiedLinear(model.tok_embeddings, dtype)
 
 
 def lora_gemma2(
