@@ -268,8 +268,8 @@ def _copy_with_config(base: Path, folder: Path, **changes) -> Path:
 
 
 def test_a_config_json_with_another_architecture_fails_before_loading(base, workdir, monkeypatch):
-    """A window that no weight's shape shows, and a 9B builder on the small checkpoint: both fail in validate,
-    before any tensor is read, naming the config key and what the checkpoint holds."""
+    """A window or layer pattern that no weight's shape shows, and a 9B builder on the small checkpoint: each fails
+    in validate, before any tensor is read, naming the config key and what the checkpoint holds."""
     from torchtune_ext.checkpoint import _safetensors
 
     def no_reads(*args, **kwargs):
@@ -281,6 +281,11 @@ def test_a_config_json_with_another_architecture_fails_before_loading(base, work
     other = _copy_with_config(base, workdir / "window_4096", sliding_window=4096)
     checkpointer = QLoRAHFCheckpointer(str(other), str(workdir / "out_bad"), "GEMMA2")
     with pytest.raises(ValueError, match=r"sliding_window=4096 but the model has 16"):
+        checkpointer.validate(model, "torchtune_ext.models.qlora_gemma2")
+
+    other = _copy_with_config(base, workdir / "all_full", layer_types=["full_attention"] * 3)
+    checkpointer = QLoRAHFCheckpointer(str(other), str(workdir / "out_bad"), "GEMMA2")
+    with pytest.raises(ValueError, match=r"layer_types\[0\]='full_attention' but the model's layer 0 is 'sliding"):
         checkpointer.validate(model, "torchtune_ext.models.qlora_gemma2")
 
     big = qlora_gemma2_9b(["q_proj"], device="meta")

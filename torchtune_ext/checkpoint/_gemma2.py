@@ -77,15 +77,16 @@ def gemma2_config_problems(hf_config: Dict[str, Any], model: nn.Module) -> List[
     attns = [layer.attn for layer in model.layers]
     if not attns or not isinstance(attns[0], Gemma2Attention):
         return []
-    from torchtune_ext.models._gemma2 import LogitSoftCapping, check_gemma2_layer_types  # models imports checkpoint
+    return _setting_problems(hf_config, model, attns) + _layer_type_problems(hf_config, attns)
 
-    attn, windows = attns[0], [a.sliding_window_size for a in attns]
-    output_cap = model.output.capping_value if isinstance(model.output, LogitSoftCapping) else None
+
+def _setting_problems(hf_config: Dict[str, Any], model: nn.Module, attns: List[Gemma2Attention]) -> List[str]:
+    attn = attns[0]
     built = {
         "head_dim": attn.head_dim,
         "attn_logit_softcapping": attn.softcapping,
-        "final_logit_softcapping": output_cap,
-        "sliding_window": next((w for w in windows if w is not None), None),
+        "final_logit_softcapping": getattr(model.output, "capping_value", None),
+        "sliding_window": next((a.sliding_window_size for a in attns if a.sliding_window_size is not None), None),
         "query_pre_attn_scalar": round(attn.scaling**-2),
         "rope_theta": getattr(attn.pos_embeddings, "base", None),
         "rms_norm_eps": model.norm.eps,
@@ -99,8 +100,14 @@ def gemma2_config_problems(hf_config: Dict[str, Any], model: nn.Module) -> List[
     activation = hf_config.get("hidden_activation") or hf_config.get("hidden_act")
     if activation not in (None, "gelu_pytorch_tanh"):
         problems.append(f"config.json has hidden_activation={activation!r} but the model uses 'gelu_pytorch_tanh'")
-    try:
-        check_gemma2_layer_types(hf_config)
-    except ValueError as err:
-        problems.append(str(err))
     return problems
+
+
+def _layer_type_problems(hf_config: Dict[str, Any], attns: List[Gemma2Attention]) -> List[str]:
+    built = ["full_attention" if a.sliding_window_size is None else "sliding_attention" for a in attns]
+    found = hf_config.get("layer_types") or built
+    differ = [i for i, (a, b) in enumerate(zip(found, built)) if a != b]
+    if not differ:
+        return []
+    i = differ[0]
+    return [f"config.json has layer_types[{i}]={found[i]!r} but the model's layer {i} is {built[i]!r}"]
