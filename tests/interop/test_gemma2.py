@@ -192,6 +192,28 @@ def test_logits_are_capped_at_the_final_softcap(base, input_ids):
     assert uncapped.abs().max() > 30.0 > capped.abs().max()
 
 
+def test_cached_decoding_within_the_window_equals_the_full_forward(base, input_ids):
+    """A prefill of 10 tokens then 6 cached steps (the KV cache as long as the 16-token window) give the logits
+    of one forward over the 16 tokens; a cache longer than the window is refused (torchtune's attention would
+    place the window wrongly past it)."""
+    model = _unquantized_model(base)
+    tokens = input_ids[:1, :16]
+    with torch.no_grad():
+        full = model(tokens)
+        model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=16)
+        causal = torch.tril(torch.ones(16, 16, dtype=torch.bool))[None]
+        steps = [model(tokens[:, :10], mask=causal[:, :10], input_pos=torch.arange(10)[None])]
+        for pos in range(10, 16):
+            step = slice(pos, pos + 1)
+            steps.append(model(tokens[:, step], mask=causal[:, step], input_pos=torch.tensor([[pos]])))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=RTOL)
+
+    model = _unquantized_model(base)
+    model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=32)
+    with pytest.raises(ValueError, match="KV cache of 32 tokens.*sliding window \\(16 tokens"):
+        model(tokens[:, :1], mask=torch.ones(1, 1, 32, dtype=torch.bool), input_pos=torch.tensor([[0]]))
+
+
 def _train(out: Path, base: Path) -> DictConfig:
     """A few fp32 CPU steps of the shipped 2B config at the checkpoint's sizes, the tiny tokenizer and data set."""
     args = [

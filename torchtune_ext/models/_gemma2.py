@@ -90,6 +90,24 @@ def store_gemma2_frozen_weights_in_(model: TransformerDecoder, dtype: torch.dtyp
     model.output.projection = FrozenTiedLinear(model.tok_embeddings, dtype)
 
 
+def _check_cache_within_window(attn: nn.Module, args: Any) -> None:
+    """Forward pre-hook of the sliding-window layers: no KV cache longer than the window.
+
+    torchtune's ``Gemma2Attention`` places the window by the row of the mask, not the token's position: right for
+    a whole sequence (training, a prefill from position 0), wrong for a cached decoding step past the window.
+
+    Raises:
+        ValueError: naming the cache length and the window.
+    """
+    cache = attn.kv_cache
+    if attn.cache_enabled and cache is not None and cache.k_cache.shape[2] > attn.sliding_window_size:
+        raise ValueError(
+            f"Gemma 2 with a KV cache of {cache.k_cache.shape[2]} tokens: cached decoding is only right up to the "
+            f"sliding window ({attn.sliding_window_size} tokens, torchtune's Gemma2Attention); set max_seq_len <= "
+            f"{attn.sliding_window_size} (or use_cache=False)."
+        )
+
+
 def lora_gemma2(
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool = False,
@@ -179,6 +197,9 @@ def lora_gemma2(
         quantize_base=quantize_base,
     )
     model.norm = GemmaRMSNorm(embed_dim, eps=norm_eps)
+    for layer in model.layers:
+        if layer.attn.sliding_window_size is not None:
+            layer.attn.register_forward_pre_hook(_check_cache_within_window)
     model.output = LogitSoftCapping(TiedLinear(model.tok_embeddings), final_logit_softcapping)
     return model
 
