@@ -282,6 +282,24 @@ def test_merged_model_and_adapter_in_transformers_and_peft_give_the_recipe_logit
     torch.testing.assert_close(hf["peft"], ours, atol=ATOL, rtol=RTOL)
 
 
+def test_the_adapter_loads_back_for_generation(trained, base, input_ids):
+    """``load_model_with_adapter`` (what ``tune-ext generate --base`` runs) builds the model from config.json and the
+    PEFT adapter and gives the recipe's logits; greedy decoding with KV caches (chunked prefill) gives the tokens of
+    decoding without them."""
+    from torchtune_ext.data import tiny_tokenizer
+    from torchtune_ext.generation import Generator, SamplingSettings, load_model_with_adapter
+
+    ours, _, _, _, step = trained
+    model = load_model_with_adapter(base, step / "adapter", dtype="fp32")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids), ours, atol=ATOL, rtol=RTOL)
+    generator = Generator(model, tiny_tokenizer(), torch.float32, torch.device("cpu"), prefill_chunk=4)
+    prompt = input_ids[0, :10].tolist()
+    cached = generator.generate(prompt, SamplingSettings(6, ignore_eos=True))
+    uncached = generator.generate(prompt, SamplingSettings(6, ignore_eos=True, use_cache=False))
+    assert cached.tokens == uncached.tokens and len(cached.tokens) == 6
+
+
 def _copy_with_config(base: Path, folder: Path, **changes) -> Path:
     folder.mkdir()
     (folder / "model.safetensors").symlink_to(base / "model.safetensors")
