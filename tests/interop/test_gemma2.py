@@ -214,6 +214,24 @@ def test_cached_decoding_within_the_window_equals_the_full_forward(base, input_i
         model(tokens[:, :1], mask=torch.ones(1, 1, 32, dtype=torch.bool), input_pos=torch.tensor([[0]]))
 
 
+def test_the_recipe_loss_is_the_cross_entropy_of_the_capped_logits(base, input_ids):
+    """``LinearCrossEntropyLoss`` (the configs' loss) projects the hidden state through the model's output, capping
+    included, in chunks sized by the real vocabulary: the loss and gradients of the capped logits' cross-entropy."""
+    from torchtune_ext.modules import LinearCrossEntropyLoss, use_contiguous_chunks_
+    from torchtune_ext.modules.loss import _vocab_size
+
+    model = use_contiguous_chunks_(_unquantized_model(base))  # the decoder class of our QLoRA models
+    labels = input_ids.roll(-1, dims=1)
+    expected = torch.nn.functional.cross_entropy(model(input_ids).flatten(0, 1), labels.flatten())
+    loss_fn = LinearCrossEntropyLoss(chunk_size=32)
+    loss_fn.set_model_output(model)
+    torch.testing.assert_close(loss_fn(model(input_ids), labels), expected, atol=1e-5, rtol=1e-5)
+    uncapped = model.output.projection(model(input_ids)).float()
+    assert abs(torch.nn.functional.cross_entropy(uncapped.flatten(0, 1), labels.flatten()) - expected) > 1e-3
+    # the automatic chunk sees the vocabulary through the capping (else: 2048 tokens x 256k logits per chunk)
+    assert _vocab_size(model.output) == GEMMA2_CONFIG["vocab_size"]
+
+
 def _train(out: Path, base: Path) -> DictConfig:
     """A few fp32 CPU steps of the shipped 2B config at the checkpoint's sizes, the tiny tokenizer and data set."""
     args = [
