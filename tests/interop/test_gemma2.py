@@ -14,8 +14,11 @@ at zero, which would hide a swapped norm).
   trains a few fp32 steps; before training our QLoRA model gives the logits of transformers on the dequantized NF4
   weights, and after training the merged folder (``Gemma2ForCausalLM``) and the PEFT adapter on the dequantized base
   (in peft) give the recipe model's logits;
-- bad input: a config that says another sliding window, or a 9B builder on this checkpoint, fails in ``validate``
-  (before any weight is read) naming the config key.
+- the loss the recipe uses is the cross-entropy of the capped logits; the adapter loads back for generation
+  (``load_model_with_adapter``) with the recipe's logits, and KV-cached decoding gives the uncached tokens;
+- ``configs/gemma2/9B_qlora.yaml`` on 2 ranks (gloo) exports a merged folder transformers loads;
+- bad input: a config that says another sliding window or layer pattern, or a 9B builder on this checkpoint, fails
+  in ``validate`` (before any weight is read) naming the config key.
 
 Tolerance: 1e-4 absolute + 1e-5 relative on logits up to 28 in magnitude (std 3.8): the same fp32 function in
 another order of operations, measured max difference 4.4e-5. Each wrongly built quirk moves them by 1.4 (query
@@ -316,6 +319,41 @@ def test_the_adapter_loads_back_for_generation(trained, base, input_ids):
     cached = generator.generate(prompt, SamplingSettings(6, ignore_eos=True))
     uncached = generator.generate(prompt, SamplingSettings(6, ignore_eos=True, use_cache=False))
     assert cached.tokens == uncached.tokens and len(cached.tokens) == 6
+
+
+def test_the_distributed_config_trains_and_exports(base, input_ids, workdir):
+    """``configs/gemma2/9B_qlora.yaml`` at the checkpoint's sizes, 2 ranks over gloo: its merged folder loads as
+    ``Gemma2ForCausalLM`` and gives the logits of its base + adapter as our generation loads them."""
+    from torchtune_ext.generation import load_model_with_adapter
+
+    out = workdir / "dist"
+    args = [
+        f"output_dir={out}",
+        f"checkpointer.checkpoint_dir={base}",
+        "checkpointer.checkpoint_files=[model.safetensors]",
+        *(f"model.{k}={v}" for k, v in {**MODEL_ARGS, "num_heads": 8, "num_kv_heads": 4}.items()),
+        *("dtype=fp32", "device=cpu", "optimizer.fused=False", "batch_size=2", "gradient_accumulation_steps=1"),
+        *("max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=0", "optimizer.lr=3e-3"),
+        *("tokenizer._component_=torchtune_ext.data.tiny_tokenizer", "tokenizer.max_seq_len=48", "~tokenizer.path"),
+        *("dataset._component_=torchtune_ext.data.tiny_instruct_dataset", "dataset.num_samples=32", "~dataset.packed"),
+        "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
+        f"metric_logger.log_dir={out}/logs",
+    ]
+    recipe = ["recipes/qlora_finetune_distributed.py", "--config", "configs/gemma2/9B_qlora.yaml"]
+    result = subprocess.run(
+        [str(TUNE), "run", "--nproc_per_node", "2", *recipe, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, f"distributed run failed (rc {result.returncode}):\n{result.stderr[-6000:]}"
+    hf, report = hf_logits(input_ids, [{"name": "merged", "model": str(out / "step_2" / "merged")}], out / "hf")
+    assert report["merged"]["class"] == "Gemma2ForCausalLM" and report["merged"]["tied"]
+    with torch.no_grad():
+        ours = load_model_with_adapter(base, out / "step_2" / "adapter", dtype="fp32")(input_ids)
+    torch.testing.assert_close(hf["merged"], ours, atol=ATOL, rtol=RTOL)
 
 
 def _copy_with_config(base: Path, folder: Path, **changes) -> Path:
