@@ -321,6 +321,21 @@ def test_the_adapter_loads_back_for_generation(trained, base, input_ids):
     assert cached.tokens == uncached.tokens and len(cached.tokens) == 6
 
 
+def test_frozen_dtype_stores_the_scaled_embedding_in_16_bits(base, input_ids):
+    """``frozen_dtype=bf16`` under fp32 compute (the T4 fp32 setting): the table (and so the tied output) is stored
+    in bf16, still scaled by sqrt(hidden_size) and capped: the logits of the fp32 model whose table was rounded to
+    bf16. Both are the base alone (no adapter: torchtune's Gemma 2 builder needs a LoRA module, ours does not)."""
+    from torchtune_ext.generation import load_model_with_adapter
+
+    stored = load_model_with_adapter(base, None, dtype="fp32", frozen_dtype=torch.bfloat16)
+    assert stored.tok_embeddings.weight.dtype == torch.bfloat16
+    assert stored.output.projection.tied_module is stored.tok_embeddings
+    reference = load_model_with_adapter(base, None, dtype="fp32")
+    with torch.no_grad():
+        reference.tok_embeddings.weight.copy_(reference.tok_embeddings.weight.bfloat16().float())
+        torch.testing.assert_close(stored(input_ids), reference(input_ids), atol=ATOL, rtol=RTOL)
+
+
 def test_the_distributed_config_trains_and_exports(base, input_ids, workdir):
     """``configs/gemma2/9B_qlora.yaml`` at the checkpoint's sizes, 2 ranks over gloo: its merged folder loads as
     ``Gemma2ForCausalLM`` and gives the logits of its base + adapter as our generation loads them."""

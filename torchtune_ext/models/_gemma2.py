@@ -24,7 +24,7 @@ from torch import nn
 from torchtune.models.gemma.gemma_norm_embedding import GemmaNormEmbeddings
 from torchtune.models.gemma.rms_norm import GemmaRMSNorm
 from torchtune.models.gemma2._component_builders import lora_gemma2 as torchtune_lora_gemma2
-from torchtune.modules import TiedLinear, TransformerDecoder
+from torchtune.modules import FrozenNF4Linear, TiedLinear, TransformerDecoder
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from torchtune_ext.modules.low_precision import FrozenEmbedding, FrozenTiedLinear
@@ -137,7 +137,7 @@ def lora_gemma2(
     """A Gemma 2 LoRA model as transformers' ``Gemma2ForCausalLM`` computes it (see the module docstring).
 
     Args:
-        lora_attn_modules (List[LORA_ATTN_MODULES]): attention projections that get LoRA.
+        lora_attn_modules (List[LORA_ATTN_MODULES]): attention projections that get LoRA (may be empty).
         apply_lora_to_mlp (bool): LoRA on the MLP too.
         apply_lora_to_output (bool): must be False: the output projection is the (frozen) token embedding.
         vocab_size (int): vocabulary size.
@@ -173,7 +173,7 @@ def lora_gemma2(
             "cannot take LoRA; set model.apply_lora_to_output=False."
         )
     model = torchtune_lora_gemma2(
-        lora_attn_modules,
+        lora_attn_modules or ["q_proj"],  # torchtune's builder wants one; undone below
         apply_lora_to_mlp,
         vocab_size=vocab_size,
         num_layers=num_layers,
@@ -196,6 +196,10 @@ def lora_gemma2(
         use_dora=use_dora,
         quantize_base=quantize_base,
     )
+    if not lora_attn_modules:  # the base model alone (e.g. generation without an adapter)
+        linear = FrozenNF4Linear if quantize_base else nn.Linear
+        for layer in model.layers:
+            layer.attn.q_proj = linear(embed_dim, num_heads * head_dim, bias=False)
     model.norm = GemmaRMSNorm(embed_dim, eps=norm_eps)
     for layer in model.layers:
         if layer.attn.sliding_window_size is not None:
