@@ -36,6 +36,8 @@ def test_every_model_family_has_a_config():
         "qwen3/4B_qlora_single_device.yaml",
         "qwen3/8B_qlora_single_device.yaml",
         "qwen3/14B_qlora_single_device.yaml",
+        "gemma2/2B_qlora_single_device.yaml",
+        "gemma2/9B_qlora_single_device.yaml",
     }
 
 

@@ -166,6 +166,8 @@ SHIPPED = {
     "qwen3/4B",
     "qwen3/8B",
     "qwen3/14B",
+    "gemma2/2B",
+    "gemma2/9B",
 }
 
 

@@ -23,7 +23,7 @@ from torchtune.models import convert_weights
 from torchtune.models.qwen2._convert_weights import _FROM_HF as _QWEN2_FROM_HF
 from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune_to_hf
 
-from torchtune_ext.checkpoint import _qwen3, _safetensors
+from torchtune_ext.checkpoint import _gemma2, _qwen3, _safetensors
 from torchtune_ext.checkpoint._writes import writing
 
 #: the index of a sharded safetensors checkpoint.
@@ -37,11 +37,13 @@ SUPPORTED_MODEL_TYPES: Dict[str, bool] = {
     "MISTRAL": True,
     "QWEN2": False,
     "QWEN3": False,  # [issue 20]
+    "GEMMA2": True,  # [issue 20]
 }
 
 #: model_type -> (hf_to_tune, tune_to_hf, HF -> torchtune key map) of families with their own conversion.
 _FAMILY_CONVERTERS: Dict[str, Tuple[Callable[..., Any], Callable[..., Any], Dict[str, Any]]] = {
     "QWEN3": (_qwen3.hf_to_tune, _qwen3.tune_to_hf, _qwen3.QWEN3_FROM_HF),  # [issue 20]
+    "GEMMA2": (_gemma2.hf_to_tune, _gemma2.tune_to_hf, _gemma2.GEMMA2_FROM_HF),  # [issue 20]
 }
 
 _ADAPTER_SUFFIXES = {
@@ -66,7 +68,7 @@ class HFConverter:
     """Per-tensor conversion between HF and torchtune layouts for one model.
 
     Args:
-        model_type (str): torchtune checkpointer model type: LLAMA2, LLAMA3, LLAMA3_2, MISTRAL, QWEN2 or QWEN3.
+        model_type (str): torchtune checkpointer model type: LLAMA2, LLAMA3, LLAMA3_2, MISTRAL, QWEN2, QWEN3 or GEMMA2.
         num_heads (int): attention heads.
         num_kv_heads (int): key/value heads.
         embed_dim (int): model dim.

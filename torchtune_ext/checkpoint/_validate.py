@@ -17,6 +17,7 @@ from torch import nn
 
 from torchtune_ext._finite import NonFiniteError, all_finite
 from torchtune_ext.checkpoint import _safetensors
+from torchtune_ext.checkpoint._gemma2 import gemma2_config_problems
 from torchtune_ext.checkpoint._qwen3 import qwen3_config_problems
 
 #: checkpointer.model_type -> the HF ``model_type`` values of its checkpoints.
@@ -27,6 +28,7 @@ HF_MODEL_TYPES: Dict[str, Sequence[str]] = {
     "MISTRAL": ("mistral",),
     "QWEN2": ("qwen2",),
     "QWEN3": ("qwen3",),  # [issue 20]
+    "GEMMA2": ("gemma2",),  # [issue 20]
 }
 _LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 _LFS_POINTER_MAX_BYTES = 1024
@@ -94,6 +96,7 @@ def check_hf_config(
     problems = _model_type_problems(hf_config, model_type) + _size_problems(hf_config, model)
     problems += _tying_problems(hf_config, model, has_lm_head)
     problems += qwen3_config_problems(hf_config, model_type, model)  # [issue 20] settings no weight shape shows
+    problems += gemma2_config_problems(hf_config, model)  # [issue 20] settings no weight shape shows
     if problems:
         raise ValueError(
             f"The checkpoint's config.json does not match {_builder_name(builder)} (checkpointer.model_type="

@@ -16,6 +16,7 @@ from torchtune.models.qwen2_5 import (
 )
 
 from torchtune_ext.models._from_hf import torchtune_builder_for
+from torchtune_ext.models._gemma2 import lora_gemma2, lora_gemma2_2b, lora_gemma2_9b, lora_gemma2_27b
 from torchtune_ext.models._init import check_adapter_state, init_adapters_, init_weights_, materialize_
 from torchtune_ext.models._qlora import build_qlora, qlora_builder
 from torchtune_ext.models._qwen3 import (  # [issue 20]
@@ -58,6 +59,10 @@ qlora_qwen3_1_7b = qlora_builder(lora_qwen3_1_7b)
 qlora_qwen3_4b = qlora_builder(lora_qwen3_4b)
 qlora_qwen3_8b = qlora_builder(lora_qwen3_8b)
 qlora_qwen3_14b = qlora_builder(lora_qwen3_14b)
+qlora_gemma2 = qlora_builder(lora_gemma2)  # [issue 20] Gemma 2
+qlora_gemma2_2b = qlora_builder(lora_gemma2_2b)
+qlora_gemma2_9b = qlora_builder(lora_gemma2_9b)
+qlora_gemma2_27b = qlora_builder(lora_gemma2_27b)
 
 #: our builder -> the torchtune builder it wraps (tests compare the two).
 QLORA_BUILDERS = {
@@ -81,6 +86,9 @@ QLORA_BUILDERS = {
     qlora_qwen3_4b: lora_qwen3_4b,
     qlora_qwen3_8b: lora_qwen3_8b,
     qlora_qwen3_14b: lora_qwen3_14b,
+    qlora_gemma2_2b: lora_gemma2_2b,
+    qlora_gemma2_9b: lora_gemma2_9b,
+    qlora_gemma2_27b: lora_gemma2_27b,
     qlora_tiny_llama: lora_tiny_llama,
     qlora_tiny_qwen: lora_tiny_qwen,
 }
@@ -93,6 +101,11 @@ __all__ = [
     "check_adapter_state",
     "init_adapters_",
     "init_weights_",
+    "lora_gemma2",
+    "lora_gemma2_2b",
+    "lora_gemma2_9b",
+    "lora_gemma2_27b",
+    "qlora_gemma2",
     "lora_smollm2",
     "lora_smollm2_135m",
     "lora_smollm2_360m",

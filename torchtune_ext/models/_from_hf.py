@@ -11,18 +11,19 @@ from torchtune.models.llama3_2 import lora_llama3_2
 from torchtune.models.qwen2 import lora_qwen2
 from torchtune.modules import TransformerDecoder
 
+from torchtune_ext.models._gemma2 import gemma2_builder_args, lora_gemma2
 from torchtune_ext.models._qwen3 import lora_qwen3
 from torchtune_ext.models._smollm2 import lora_smollm2
 
 #: HF ``model_type`` -> our checkpointer's model type.
-HF_MODEL_TYPES = {"llama": "LLAMA3_2", "mistral": "MISTRAL", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+HF_MODEL_TYPES = {"llama": "LLAMA3_2", "mistral": "MISTRAL", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma2": "GEMMA2"}
 
 
 def torchtune_builder_for(hf_config: Dict[str, Any]) -> Tuple[Callable[..., TransformerDecoder], Dict[str, Any], str]:
     """The torchtune ``lora_*`` component builder and its architecture arguments for an HF ``config.json``.
 
     Args:
-        hf_config (Dict[str, Any]): the config (``model_type`` llama, mistral, qwen2 or qwen3).
+        hf_config (Dict[str, Any]): the config (``model_type`` llama, mistral, qwen2, qwen3 or gemma2).
 
     Returns:
         Tuple[Callable[..., TransformerDecoder], Dict[str, Any], str]: the builder, its arguments (no LoRA
@@ -35,8 +36,10 @@ def torchtune_builder_for(hf_config: Dict[str, Any]) -> Tuple[Callable[..., Tran
     if model_type not in HF_MODEL_TYPES:
         raise ValueError(
             f"config.json has model_type={model_type!r}; supported: {sorted(HF_MODEL_TYPES)} (Llama 2/3.x, Mistral, "
-            "Qwen 2/2.5, Qwen3)."
+            "Qwen 2/2.5, Qwen3, Gemma 2)."
         )
+    if model_type == "gemma2":  # [issue 20]
+        return lora_gemma2, gemma2_builder_args(hf_config), HF_MODEL_TYPES[model_type]
     heads = hf_config["num_attention_heads"]
     args = dict(
         vocab_size=hf_config["vocab_size"],

@@ -360,6 +360,8 @@ def _plain_weight(output: Any) -> Optional[torch.Tensor]:
 
 
 def _vocab_size(output: Any) -> Optional[int]:
+    if getattr(output, "projection", None) is not None:  # [issue 20] an output around a projection (Gemma 2's capping)
+        return _vocab_size(output.projection)
     if isinstance(output, TiedLinear):
         return output.tied_module.weight.shape[0]
     if isinstance(output, PrunedOutput):

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torchtune.models.gemma2._attention import Gemma2Attention
 from torchtune.modules import MultiHeadAttention
 
 _SETTINGS_TO_IGNORE = ("training", "max_seq_len", "is_cache_built")
@@ -86,7 +87,7 @@ def share_rope_(model: nn.Module, max_seq_len: Optional[int] = None) -> List[nn.
         raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive integer (the RoPE positions to cache).")
     shared: Dict[Tuple[Any, ...], nn.Module] = {}
     for module in model.modules():
-        if isinstance(module, MultiHeadAttention) and _is_rope(module.pos_embeddings):
+        if isinstance(module, (MultiHeadAttention, Gemma2Attention)) and _is_rope(module.pos_embeddings):
             rope = shared.setdefault(_settings_key(module.pos_embeddings), module.pos_embeddings)
             module.pos_embeddings = rope
     for rope in shared.values():

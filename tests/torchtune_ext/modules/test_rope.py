@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torchtune.models.gemma2._attention import Gemma2Attention
 from torchtune.modules import MultiHeadAttention
 
 from torchtune_ext.memory._tracker import BUFFERS
@@ -17,7 +18,8 @@ LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], app
 
 
 def _ropes(model):
-    return {id(m.pos_embeddings): m.pos_embeddings for m in model.modules() if isinstance(m, MultiHeadAttention)}
+    attention = (MultiHeadAttention, Gemma2Attention)
+    return {id(m.pos_embeddings): m.pos_embeddings for m in model.modules() if isinstance(m, attention)}
 
 
 @pytest.mark.parametrize("builder", [lora_tiny_qwen, lora_tiny_llama])
