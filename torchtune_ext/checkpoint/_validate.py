@@ -17,6 +17,7 @@ from torch import nn
 
 from torchtune_ext._finite import NonFiniteError, all_finite
 from torchtune_ext.checkpoint import _safetensors
+from torchtune_ext.checkpoint._phi3 import phi_rope_problems
 
 #: checkpointer.model_type -> the HF ``model_type`` values of its checkpoints.
 HF_MODEL_TYPES: Dict[str, Sequence[str]] = {
@@ -25,6 +26,7 @@ HF_MODEL_TYPES: Dict[str, Sequence[str]] = {
     "LLAMA3_2": ("llama",),
     "MISTRAL": ("mistral",),
     "QWEN2": ("qwen2",),
+    "PHI3_MINI": ("phi3",),  # [issue 20]
 }
 _LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 _LFS_POINTER_MAX_BYTES = 1024
@@ -91,6 +93,7 @@ def check_hf_config(
     """
     problems = _model_type_problems(hf_config, model_type) + _size_problems(hf_config, model)
     problems += _tying_problems(hf_config, model, has_lm_head)
+    problems += phi_rope_problems(hf_config, model)  # [issue 20] RoPE is in no weight's shape
     if problems:
         raise ValueError(
             f"The checkpoint's config.json does not match {_builder_name(builder)} (checkpointer.model_type="

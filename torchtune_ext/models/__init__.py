@@ -8,6 +8,7 @@ from torchtune.models.llama2 import lora_llama2_7b, lora_llama2_13b, lora_llama2
 from torchtune.models.llama3_1 import lora_llama3_1_8b, lora_llama3_1_70b
 from torchtune.models.llama3_2 import lora_llama3_2_1b, lora_llama3_2_3b
 from torchtune.models.mistral import lora_mistral_7b
+from torchtune.models.phi3 import lora_phi3_mini
 from torchtune.models.qwen2_5 import (
     lora_qwen2_5_0_5b,
     lora_qwen2_5_1_5b_instruct,
@@ -17,6 +18,7 @@ from torchtune.models.qwen2_5 import (
 
 from torchtune_ext.models._from_hf import torchtune_builder_for
 from torchtune_ext.models._init import check_adapter_state, init_adapters_, init_weights_, materialize_
+from torchtune_ext.models._phi3 import lora_phi, lora_phi3_5_mini, lora_phi4_mini  # [issue 20]
 from torchtune_ext.models._qlora import build_qlora, qlora_builder
 from torchtune_ext.models._smollm2 import lora_smollm2, lora_smollm2_1_7b, lora_smollm2_135m, lora_smollm2_360m
 from torchtune_ext.models._tiny import (
@@ -44,6 +46,9 @@ qlora_smollm2 = qlora_builder(lora_smollm2)
 qlora_smollm2_135m = qlora_builder(lora_smollm2_135m)
 qlora_smollm2_360m = qlora_builder(lora_smollm2_360m)
 qlora_smollm2_1_7b = qlora_builder(lora_smollm2_1_7b)
+qlora_phi3_mini = qlora_builder(lora_phi3_mini)  # [issue 20] Phi-3-mini-4k (plain RoPE)
+qlora_phi3_5_mini = qlora_builder(lora_phi3_5_mini)  # LongRoPE from the checkpoint's config.json
+qlora_phi4_mini = qlora_builder(lora_phi4_mini)
 
 #: our builder -> the torchtune builder it wraps (tests compare the two).
 QLORA_BUILDERS = {
@@ -62,6 +67,7 @@ QLORA_BUILDERS = {
     qlora_smollm2_135m: lora_smollm2_135m,
     qlora_smollm2_360m: lora_smollm2_360m,
     qlora_smollm2_1_7b: lora_smollm2_1_7b,
+    qlora_phi3_mini: lora_phi3_mini,  # [issue 20]
     qlora_tiny_llama: lora_tiny_llama,
     qlora_tiny_qwen: lora_tiny_qwen,
 }
@@ -74,6 +80,11 @@ __all__ = [
     "check_adapter_state",
     "init_adapters_",
     "init_weights_",
+    "lora_phi",  # [issue 20]
+    "lora_phi3_5_mini",
+    "lora_phi4_mini",
+    "qlora_phi3_5_mini",
+    "qlora_phi4_mini",
     "lora_smollm2",
     "lora_smollm2_135m",
     "lora_smollm2_360m",
