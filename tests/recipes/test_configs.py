@@ -31,6 +31,7 @@ def test_every_model_family_has_a_config():
         "smollm2/135M_qlora_single_device.yaml",
         "smollm2/360M_qlora_single_device.yaml",
         "smollm2/1.7B_qlora_single_device.yaml",
+        "phi3/mini_qlora_single_device.yaml",
     }
 
 

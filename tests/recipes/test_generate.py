@@ -161,6 +161,8 @@ SHIPPED = {
     "smollm2/135M",
     "smollm2/360M",
     "smollm2/1.7B",
+    "phi3/mini",
+    "llama3_3/70B",
 }
 
 

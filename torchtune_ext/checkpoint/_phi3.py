@@ -254,7 +254,7 @@ def phi_rope_problems(hf_config: Dict[str, Any], model: nn.Module) -> List[str]:
     fraction = hf_config.get("partial_rotary_factor", parameters.get("partial_rotary_factor", 1.0))
     rotary_dim = int(model.layers[0].attn.head_dim * fraction)
     scaling = hf_rope_scaling(hf_config)
-    factors = getattr(rope, "short_factor", None), getattr(rope, "long_factor", None)
+    longrope = rope.longrope() if hasattr(rope, "longrope") else None
     problems = []
     if float(rope.base) != theta:
         problems.append(f"config.json has rope_theta={theta:g} but the model has RoPE base {float(rope.base):g}")
@@ -263,14 +263,14 @@ def phi_rope_problems(hf_config: Dict[str, Any], model: nn.Module) -> List[str]:
             f"config.json has partial_rotary_factor={fraction} ({rotary_dim} rotated dims per head) but the model "
             f"rotates {getattr(rope, 'rotary_dim', rope.dim)}"
         )
-    if scaling and factors[0] is None:
+    if scaling and longrope is None:
         problems.append(
             "config.json has rope_scaling of type 'longrope' (Phi-3.5 / Phi-4-mini) but the model has plain RoPE: use "
             "qlora_phi3_5_mini / qlora_phi4_mini with model.rope_scaling_config set to this config.json"
         )
-    elif not scaling and factors[0] is not None:
+    elif not scaling and longrope is not None:
         problems.append("config.json has no rope_scaling but the model has LongRoPE (model.rope_scaling_config)")
-    elif scaling and [[float(f) for f in scaling[k]] for k in ("short_factor", "long_factor")] != list(factors):
+    elif scaling and any([float(f) for f in scaling[k]] != longrope[k] for k in ("short_factor", "long_factor")):
         problems.append(
             "config.json's rope_scaling short_factor / long_factor differ from the model's: model.rope_scaling_config "
             "names another checkpoint's config.json"

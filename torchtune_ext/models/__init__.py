@@ -35,6 +35,7 @@ qlora_llama2_13b = qlora_builder(lora_llama2_13b)
 qlora_llama2_70b = qlora_builder(lora_llama2_70b)
 qlora_llama3_1_8b = qlora_builder(lora_llama3_1_8b)
 qlora_llama3_1_70b = qlora_builder(lora_llama3_1_70b)
+qlora_llama3_3_70b = qlora_llama3_1_70b  # [issue 20] Llama 3.3 70B: Llama 3.1 70B's architecture (as torchtune)
 qlora_llama3_2_1b = qlora_builder(lora_llama3_2_1b)
 qlora_llama3_2_3b = qlora_builder(lora_llama3_2_3b)
 qlora_qwen2_5_0_5b = qlora_builder(lora_qwen2_5_0_5b)
@@ -83,6 +84,7 @@ __all__ = [
     "lora_phi",  # [issue 20]
     "lora_phi3_5_mini",
     "lora_phi4_mini",
+    "qlora_llama3_3_70b",
     "qlora_phi3_5_mini",
     "qlora_phi4_mini",
     "lora_smollm2",

@@ -20,7 +20,7 @@ import json
 import math
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -32,21 +32,18 @@ from torchtune.modules import MultiHeadAttention, TiedLinear, TransformerDecoder
 class PhiRotaryEmbeddings(nn.Module):
     """Phi's RoPE (rotating halves, as transformers' ``Phi3RotaryEmbedding``) with LongRoPE and partial rotation.
 
-    With ``short_factor`` None and ``rotary_dim == head_dim`` it is torchtune's ``Phi3RotaryPositionalEmbeddings``.
+    Without LongRoPE and with ``rotary_dim == head_dim`` it is torchtune's ``Phi3RotaryPositionalEmbeddings``.
+    LongRoPE settings given as a ``config.json`` path are read when a cache is first built on a real device (or
+    :meth:`longrope` is called): a model built on the meta device (a dry run, a config check) does not need the file.
 
     Args:
         head_dim (int): head dim.
-        max_seq_len (int): positions in the cache.
+        max_seq_len (int): positions in the cache; also ``max_position_embeddings`` for LongRoPE's attention factor.
         base (float): RoPE theta.
         rotary_dim (Optional[int]): the leading dims of each head that rotate (None: all).
-        short_factor (Optional[Sequence[float]]): LongRoPE divisors of the ``rotary_dim // 2`` frequencies up to
-            ``original_max_seq_len`` positions (None: no LongRoPE).
-        long_factor (Optional[Sequence[float]]): the divisors for longer sequences.
-        original_max_seq_len (Optional[int]): the pretraining context (LongRoPE).
-        attention_factor (float): cos/sin scale (LongRoPE's; 1.0 without).
-
-    Raises:
-        ValueError: on factor lists of the wrong length or a LongRoPE setting without the others.
+        rope_scaling (Optional[Dict[str, Any]]): LongRoPE settings in HF's keys (``short_factor``,
+            ``long_factor``, ``original_max_position_embeddings``, optionally ``attention_factor``).
+        rope_scaling_config (Optional[str]): or the ``config.json`` that holds them.
     """
 
     def __init__(
@@ -55,40 +52,49 @@ class PhiRotaryEmbeddings(nn.Module):
         max_seq_len: int,
         base: float = 10_000.0,
         rotary_dim: Optional[int] = None,
-        short_factor: Optional[Sequence[float]] = None,
-        long_factor: Optional[Sequence[float]] = None,
-        original_max_seq_len: Optional[int] = None,
-        attention_factor: float = 1.0,
+        rope_scaling: Optional[Dict[str, Any]] = None,
+        rope_scaling_config: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         self.max_seq_len = max_seq_len
         self.base = base
-        self.original_max_seq_len = original_max_seq_len
-        self.attention_factor = attention_factor
-        factors = (short_factor, long_factor, original_max_seq_len)
-        if any(f is not None for f in factors) and any(f is None for f in factors):
-            raise ValueError("LongRoPE needs short_factor, long_factor and original_max_seq_len together.")
-        for name, factor in (("short_factor", short_factor), ("long_factor", long_factor)):
-            if factor is not None and len(factor) != self.rotary_dim // 2:
-                raise ValueError(
-                    f"rope_scaling.{name} has {len(factor)} entries but the model rotates {self.rotary_dim} dims per "
-                    f"head ({self.rotary_dim // 2} frequencies): is this the checkpoint of the configured model?"
-                )
-        self.short_factor = None if short_factor is None else [float(f) for f in short_factor]
-        self.long_factor = None if long_factor is None else [float(f) for f in long_factor]
-        self.register_buffer("cache", self._table(max_seq_len, self.short_factor), persistent=False)
+        self.rope_scaling_config = None if rope_scaling_config is None else str(rope_scaling_config)
+        self._rope_scaling = rope_scaling
+        self._longrope: Optional[Dict[str, Any]] = None
+        self.register_buffer("cache", self._table(max_seq_len, long=False), persistent=False)
 
-    def _table(self, rows: int, factor: Optional[List[float]], device: Optional[torch.device] = None) -> torch.Tensor:
-        """``[rows, rotary_dim * 2]``: cos then sin of each position, scaled by the attention factor."""
+    def longrope(self) -> Optional[Dict[str, Any]]:
+        """The LongRoPE settings (``short_factor``, ``long_factor``, ``original_max_seq_len``,
+        ``attention_factor``), read from ``rope_scaling_config`` the first time; None for plain RoPE.
+
+        Returns:
+            Optional[Dict[str, Any]]: the settings.
+
+        Raises:
+            FileNotFoundError: if ``rope_scaling_config`` does not exist.
+            ValueError: on factor lists whose length is not the rotated frequencies', or another RoPE scaling.
+        """
+        if self._longrope is None and (self._rope_scaling or self.rope_scaling_config):
+            scaling = self._rope_scaling or read_rope_scaling(self.rope_scaling_config)
+            self._longrope = _longrope_args(scaling, self.max_seq_len, self.rotary_dim) if scaling else {}
+        return self._longrope or None
+
+    def _table(self, rows: int, long: bool, device: Optional[torch.device] = None) -> torch.Tensor:
+        """``[rows, rotary_dim * 2]``: cos then sin of each position, scaled by LongRoPE's attention factor."""
+        if torch.empty(0, device=device).is_meta:
+            return torch.empty(rows, self.rotary_dim * 2, device="meta")
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device).float() / self.rotary_dim
         inv_freq = 1.0 / (self.base**exponents)
-        if factor is not None:
+        longrope = self.longrope()
+        if longrope is not None:
+            factor = longrope["long_factor" if long else "short_factor"]
             inv_freq = inv_freq / torch.tensor(factor, dtype=torch.float32, device=device)
         freqs = torch.outer(torch.arange(rows, dtype=torch.float32, device=device), inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)
-        return torch.cat([angles.cos(), angles.sin()], dim=-1) * self.attention_factor
+        table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        return table if longrope is None else table * longrope["attention_factor"]
 
     def build_rope_cache(self, max_seq_len: int) -> None:
         """(Re)builds the short-context cache for ``max_seq_len`` positions, on the device of a built cache.
@@ -97,11 +103,11 @@ class PhiRotaryEmbeddings(nn.Module):
             max_seq_len (int): positions.
         """
         device = None if self.cache.is_meta else self.cache.device
-        self.register_buffer("cache", self._table(max_seq_len, self.short_factor, device), persistent=False)
+        self.register_buffer("cache", self._table(max_seq_len, False, device), persistent=False)
 
     def rope_init(self) -> None:
         """Builds the cache on the default device (what our materialiser calls, under the target device)."""
-        self.register_buffer("cache", self._table(self.max_seq_len, self.short_factor), persistent=False)
+        self.register_buffer("cache", self._table(self.max_seq_len, long=False), persistent=False)
 
     def forward(self, x: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         """
@@ -114,11 +120,10 @@ class PhiRotaryEmbeddings(nn.Module):
         """
         seq_len = x.size(1)
         positions = seq_len if input_pos is None else int(input_pos.max()) + 1
-        cache = self.cache
-        if self.long_factor is not None and positions > self.original_max_seq_len:
-            cache = self._table(
-                positions, self.long_factor, x.device
-            )  # transformers: the long table past the original context
+        cache, longrope = self.cache, self.longrope()
+        if longrope is not None and positions > longrope["original_max_seq_len"]:
+            # as transformers: the long factors for every position once a sequence passes the original context
+            cache = self._table(positions, True, x.device)
         table = cache[:seq_len] if input_pos is None else cache[input_pos]
         table = table.view(-1, seq_len, 1, self.rotary_dim * 2)
         cos, sin = table[..., : self.rotary_dim], table[..., self.rotary_dim :]
@@ -160,6 +165,7 @@ def lora_phi(
     rope_base: float = 10_000.0,
     partial_rotary_factor: float = 1.0,
     rope_scaling: Optional[Dict[str, Any]] = None,
+    rope_scaling_config: Optional[str] = None,
     tie_word_embeddings: bool = False,
     lora_rank: int,
     lora_alpha: float,
@@ -187,6 +193,8 @@ def lora_phi(
         partial_rotary_factor (float): the fraction of each head's dims that rotate.
         rope_scaling (Optional[Dict[str, Any]]): LongRoPE: ``short_factor``, ``long_factor``,
             ``original_max_position_embeddings`` and optionally ``attention_factor`` (HF's keys); None: plain RoPE.
+        rope_scaling_config (Optional[str]): or the checkpoint's ``config.json`` holding them (read when the model
+            is materialised, see :class:`PhiRotaryEmbeddings`).
         tie_word_embeddings (bool): the output projection is the token embedding.
         lora_rank (int): LoRA rank.
         lora_alpha (float): LoRA alpha.
@@ -226,13 +234,8 @@ def lora_phi(
         quantize_base=quantize_base,
     )
     head_dim = embed_dim // num_heads
-    rope = PhiRotaryEmbeddings(
-        head_dim,
-        max_seq_len,
-        rope_base,
-        int(head_dim * partial_rotary_factor),
-        **_longrope_args(rope_scaling, max_seq_len),
-    )
+    rotary_dim = int(head_dim * partial_rotary_factor)
+    rope = PhiRotaryEmbeddings(head_dim, max_seq_len, rope_base, rotary_dim, rope_scaling, rope_scaling_config)
     for module in model.modules():
         if isinstance(module, MultiHeadAttention):
             module.pos_embeddings = rope
@@ -242,17 +245,22 @@ def lora_phi(
     return model
 
 
-def _longrope_args(rope_scaling: Optional[Dict[str, Any]], max_seq_len: int) -> Dict[str, Any]:
-    if not rope_scaling:
-        return {}
+def _longrope_args(rope_scaling: Dict[str, Any], max_seq_len: int, rotary_dim: int) -> Dict[str, Any]:
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if kind not in ("longrope", "su"):
         raise ValueError(f"rope_scaling of type {kind!r} is not supported for Phi; supported: 'longrope' (or None).")
+    for name in ("short_factor", "long_factor"):
+        if len(rope_scaling[name]) != rotary_dim // 2:
+            raise ValueError(
+                f"rope_scaling.{name} has {len(rope_scaling[name])} entries but the model rotates {rotary_dim} dims "
+                f"per head ({rotary_dim // 2} frequencies): does model.rope_scaling_config name another model's "
+                "config.json?"
+            )
     original = int(rope_scaling["original_max_position_embeddings"])
     attention_factor = rope_scaling.get("attention_factor")
     return dict(
-        short_factor=list(rope_scaling["short_factor"]),
-        long_factor=list(rope_scaling["long_factor"]),
+        short_factor=[float(f) for f in rope_scaling["short_factor"]],
+        long_factor=[float(f) for f in rope_scaling["long_factor"]],
         original_max_seq_len=original,
         attention_factor=longrope_attention_factor(max_seq_len, original)
         if attention_factor is None
@@ -298,30 +306,6 @@ def read_rope_scaling(rope_scaling_config: str) -> Optional[Dict[str, Any]]:
     return hf_rope_scaling(json.loads(path.read_text()))
 
 
-def lora_phi_sized(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    *,
-    rope_scaling_config: str,
-    **kwargs: Any,
-) -> TransformerDecoder:
-    """:func:`lora_phi` with the LongRoPE factors read from the checkpoint's ``config.json``.
-
-    Args:
-        lora_attn_modules (List[LORA_ATTN_MODULES]): attention projections that get LoRA.
-        apply_lora_to_mlp (bool): LoRA on the MLP too.
-        apply_lora_to_output (bool): LoRA on the output projection.
-        rope_scaling_config (str): the checkpoint's ``config.json``.
-        **kwargs (Any): :func:`lora_phi`'s other arguments.
-
-    Returns:
-        TransformerDecoder: the model.
-    """
-    rope_scaling = read_rope_scaling(rope_scaling_config)
-    return lora_phi(lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output, rope_scaling=rope_scaling, **kwargs)
-
-
 #: the architecture of each model, from its HF ``config.json`` (RMSNorm eps 1e-5, rope theta 10,000, LongRoPE with
 #: an original context of 4096 positions extended to 131,072).
 PHI_ARCHS: Dict[str, Dict[str, Any]] = {
@@ -344,7 +328,7 @@ _NAMES = {"3_5_mini": "Phi-3.5-mini-instruct", "4_mini": "Phi-4-mini-instruct"}
 
 def _sized(size: str) -> Callable[..., TransformerDecoder]:
     builder = partial(
-        lora_phi_sized,
+        lora_phi,
         max_seq_len=131_072,
         norm_eps=1e-5,
         rope_base=10_000.0,
