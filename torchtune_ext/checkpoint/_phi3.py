@@ -258,10 +258,11 @@ def phi_rope_problems(hf_config: Dict[str, Any], model: nn.Module) -> List[str]:
     problems = []
     if float(rope.base) != theta:
         problems.append(f"config.json has rope_theta={theta:g} but the model has RoPE base {float(rope.base):g}")
-    if getattr(rope, "rotary_dim", rope.dim) != rotary_dim:
+    rotated = rope.rotary_dim if hasattr(rope, "rotary_dim") else rope.dim  # ours, torchtune's
+    if rotated != rotary_dim:
         problems.append(
             f"config.json has partial_rotary_factor={fraction} ({rotary_dim} rotated dims per head) but the model "
-            f"rotates {getattr(rope, 'rotary_dim', rope.dim)}"
+            f"rotates {rotated}"
         )
     if scaling and longrope is None:
         problems.append(

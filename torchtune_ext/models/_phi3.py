@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torchtune.models.phi3 import lora_phi3
 from torchtune.models.phi3._component_builders import LORA_ATTN_MODULES
 from torchtune.modules import MultiHeadAttention, TiedLinear, TransformerDecoder
@@ -34,7 +35,8 @@ class PhiRotaryEmbeddings(nn.Module):
 
     Without LongRoPE and with ``rotary_dim == head_dim`` it is torchtune's ``Phi3RotaryPositionalEmbeddings``.
     LongRoPE settings given as a ``config.json`` path are read when a cache is first built on a real device (or
-    :meth:`longrope` is called): a model built on the meta device (a dry run, a config check) does not need the file.
+    :meth:`longrope` is called): a model built on the meta device or in fake tensors (a config check, the memory
+    estimate of a dry run before the download) does not need the file.
 
     Args:
         head_dim (int): head dim.
@@ -83,8 +85,9 @@ class PhiRotaryEmbeddings(nn.Module):
 
     def _table(self, rows: int, long: bool, device: Optional[torch.device] = None) -> torch.Tensor:
         """``[rows, rotary_dim * 2]``: cos then sin of each position, scaled by LongRoPE's attention factor."""
-        if torch.empty(0, device=device).is_meta:
-            return torch.empty(rows, self.rotary_dim * 2, device="meta")
+        probe = torch.empty(0, device=device)
+        if probe.is_meta or isinstance(probe, FakeTensor):  # shapes only (a meta build, the memory estimate)
+            return torch.empty(rows, self.rotary_dim * 2, device=probe.device)
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device).float() / self.rotary_dim
         inv_freq = 1.0 / (self.base**exponents)
         longrope = self.longrope()
