@@ -304,7 +304,8 @@ def read_rope_scaling(rope_scaling_config: str) -> Optional[Dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(
             f"model.rope_scaling_config={str(path)!r} does not exist: it must be the Phi checkpoint's config.json "
-            "(its LongRoPE factors), e.g. ${checkpointer.checkpoint_dir}/config.json after `tune download`."
+            "(its LongRoPE factors), e.g. ${checkpointer.checkpoint_dir}/config.json after `tune download`. (A dry "
+            "run before the download: model.rope_scaling_config=null gives the same memory estimate.)"
         )
     return hf_rope_scaling(json.loads(path.read_text()))
 
