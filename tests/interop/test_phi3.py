@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 from test_hf_peft_interop import _ours
 from torchtune.models.phi3 import lora_phi3
 
-from torchtune_ext.checkpoint import HFConverter, QLoRAHFCheckpointer, read_hf_config
+from torchtune_ext.checkpoint import HFConverter, QLoRAHFCheckpointer, read_hf_config, read_peft_adapter
 from torchtune_ext.models import lora_phi, qlora_phi3_5_mini, torchtune_builder_for
 
 pytestmark = [pytest.mark.integration_test, pytest.mark.stack]
@@ -327,3 +327,6 @@ def test_merged_model_and_fused_adapter_in_transformers_and_peft_give_the_recipe
         "base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"
     ]
     assert b.shape == (3 * 384, 32) and not b[384:768].any() and b[:384, :16].any() and not b[:384, 16:].any()
+    # It does not load back into separate q/k/v LoRAs (generation, tune-ext merge): the error names the merged model.
+    with pytest.raises(ValueError, match=r"Phi adapter on the fused qkv_proj.*step_<N>/merged"):
+        read_peft_adapter(step / "adapter")
