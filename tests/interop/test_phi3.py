@@ -330,3 +330,59 @@ def test_merged_model_and_fused_adapter_in_transformers_and_peft_give_the_recipe
     # It does not load back into separate q/k/v LoRAs (generation, tune-ext merge): the error names the merged model.
     with pytest.raises(ValueError, match=r"Phi adapter on the fused qkv_proj.*step_<N>/merged"):
         read_peft_adapter(step / "adapter")
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_phi4_mini_nf4_merged_and_fused_adapter_in_transformers_and_peft(use_dora, bases, workdir):
+    """Phi-4-mini (GQA: k/v rows a third of q's, partial rotary, tied output) through our QLoRA model, the streaming
+    loader and both exports, with random (nonzero) adapters on every projection; DoRA too (every member of each
+    fused module adapted, so the magnitudes stack)."""
+    from torchtune_ext.checkpoint import load_base_
+    from torchtune_ext.distributed import get_full_state_dict
+    from torchtune_ext.models import build_qlora, init_adapters_
+
+    base, name = bases["phi4_mini"], f"phi4_{'dora' if use_dora else 'lora'}"
+    builder, args, model_type = torchtune_builder_for(read_hf_config(base))
+    modules = ["q_proj", "k_proj", "v_proj", "output_proj"]
+    lora = dict(lora_rank=8, lora_alpha=16, apply_lora_to_mlp=True, use_dora=use_dora)
+    model = build_qlora(builder, dtype=torch.float32, lora_attn_modules=modules, **lora, **args)
+    checkpointer = QLoRAHFCheckpointer(str(base), str(workdir / name), model_type)
+    checkpointer.validate(model)
+    load_base_(model, checkpointer, torch.device("cpu"))
+    init_adapters_(model, "cpu")
+    input_ids = _input_ids(VARIANTS["phi4_mini"]["vocab_size"])
+    adapter_config = dict(target_modules=[*modules, "w1", "w2", "w3"], rank=8, alpha=16, dropout=0.0, use_dora=use_dora)
+    with torch.no_grad():
+        untrained = model.eval()(input_ids)
+        state = get_full_state_dict(model, keep_nf4=True, cpu_offload=False)
+        dequantized = checkpointer.save(state, 0, adapter_config, save_merged=True, dtype=torch.float32) / "merged"
+        generator = torch.Generator().manual_seed(1)
+        for key, param in model.named_parameters():
+            if ".lora_b." in key or key.endswith(".magnitude"):
+                param.add_(torch.randn(param.shape, generator=generator) * 0.02)
+        ours = model(input_ids)
+    state = get_full_state_dict(model, keep_nf4=True, cpu_offload=False)
+    step = checkpointer.save(state, 1, adapter_config, save_merged=True, dtype=torch.float32)
+    runs = [
+        {"name": "dequantized", "model": str(dequantized)},
+        {"name": "merged", "model": str(step / "merged")},
+        {"name": "peft", "model": str(dequantized), "adapter": str(step / "adapter")},
+    ]
+    hf, report = hf_logits(input_ids, runs, workdir / f"hf_{name}")
+    assert report["merged"]["class"] == "Phi3ForCausalLM" and report["merged"]["tied"]
+    assert (ours - untrained).abs().max() > 1000 * ATOL
+    torch.testing.assert_close(untrained, hf["dequantized"], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(hf["merged"], ours, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(hf["peft"], ours, atol=ATOL, rtol=RTOL)
+
+
+def test_dora_on_part_of_a_fused_module_is_refused_before_loading(bases, workdir):
+    base = bases["phi3_5_mini"]
+    builder, args, model_type = torchtune_builder_for(read_hf_config(base))
+    from torchtune_ext.models import build_qlora
+
+    model = build_qlora(
+        builder, lora_attn_modules=["q_proj", "v_proj"], lora_rank=8, lora_alpha=16, use_dora=True, **args
+    )
+    with pytest.raises(ValueError, match=r"use_dora=True adapts \['q_proj', 'v_proj'\] of Phi's fused qkv_proj"):
+        _validate(base, model, workdir / "out_dora")
