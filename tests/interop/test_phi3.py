@@ -18,8 +18,10 @@ Checked: the unquantized torchtune-layout model that ``torchtune_builder_for`` p
 ``configs/phi3/mini_qlora_single_device.yaml`` (2 layers, the tiny tokenizer and data set) trains a few fp32 steps:
 before training our NF4 model gives the logits of transformers on the dequantized NF4 weights, after training the
 merged folder (transformers) and the PEFT adapter on ``qkv_proj`` / ``gate_up_proj`` (peft, on the dequantized base)
-give the recipe model's logits. Bad input: a Phi-3.5 checkpoint for torchtune's plain-RoPE ``qlora_phi3_mini``, or
-with another geometry, fails in ``validate`` (file headers only) naming the config keys.
+give the recipe model's logits; Phi-4-mini (GQA, partial rotary, tied) goes the same way through our QLoRA model
+with random adapters on every projection, LoRA and DoRA. Bad input: a Phi-3.5 checkpoint for torchtune's plain-RoPE ``qlora_phi3_mini``, or
+with another geometry, or DoRA on part of a fused module, fails in ``validate`` (file headers only) naming the
+config keys.
 
 Tolerance: 2e-5 absolute + 1e-5 relative on logits of magnitude ~1-4 (measured differences ~2e-6: the same fp32
 function in a different order of operations). Dropping LongRoPE (plain RoPE) moves the logits by far more
