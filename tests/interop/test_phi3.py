@@ -19,9 +19,10 @@ Checked: the unquantized torchtune-layout model that ``torchtune_builder_for`` p
 before training our NF4 model gives the logits of transformers on the dequantized NF4 weights, after training the
 merged folder (transformers) and the PEFT adapter on ``qkv_proj`` / ``gate_up_proj`` (peft, on the dequantized base)
 give the recipe model's logits; Phi-4-mini (GQA, partial rotary, tied) goes the same way through our QLoRA model
-with random adapters on every projection, LoRA and DoRA. Bad input: a Phi-3.5 checkpoint for torchtune's plain-RoPE ``qlora_phi3_mini``, or
-with another geometry, or DoRA on part of a fused module, fails in ``validate`` (file headers only) naming the
-config keys.
+with random adapters on every projection, LoRA and DoRA; a random Phi base we write has transformers' keys and
+shapes. Bad input: a Phi-3.5 checkpoint for a plain-RoPE Phi model (torchtune's ``qlora_phi3_mini`` layout), or with
+another geometry, or DoRA on part of a fused module, fails in ``validate`` (file headers only) naming the config
+keys.
 
 Tolerance: 2e-5 absolute + 1e-5 relative on logits of magnitude ~1-4 (measured differences ~2e-6: the same fp32
 function in a different order of operations). Dropping LongRoPE (plain RoPE) moves the logits by far more
@@ -388,3 +389,16 @@ def test_dora_on_part_of_a_fused_module_is_refused_before_loading(bases, workdir
     )
     with pytest.raises(ValueError, match=r"use_dora=True adapts \['q_proj', 'v_proj'\] of Phi's fused qkv_proj"):
         _validate(base, model, workdir / "out_dora")
+
+
+def test_a_random_phi_base_has_transformers_keys_and_shapes(bases, workdir):
+    from torchtune_ext.checkpoint import write_random_hf_checkpoint
+
+    base = bases["phi4_mini"]
+    hf_config = read_hf_config(base)
+    builder, args, model_type = torchtune_builder_for(hf_config)
+    with torch.device("meta"):
+        model = builder(["q_proj"], lora_rank=8, lora_alpha=16, **args)
+    folder = write_random_hf_checkpoint(workdir / "random_phi4", model, model_type, hf_config, torch.float32)
+    ours, theirs = load_file(folder / "model.safetensors"), load_file(base / "model.safetensors")
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
