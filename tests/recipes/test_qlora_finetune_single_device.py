@@ -550,7 +550,7 @@ def test_tiny_default_learns_and_prints_where_outputs_are(workdir):
     [
         (["dtype=fp8"], "dtype='fp8' is not supported; use dtype=fp32, dtype=bf16 or dtype=fp16"),
         (["checkpointer.checkpoint_files=[missing.safetensors]"], "missing.safetensors"),
-        (["model.intermediate_dim=200"], "cannot be NF4-quantized"),
+        (["model.intermediate_dim=200"], "does not match the configured model"),
     ],
 )
 def test_bad_config_fails_clearly_before_writing(base, workdir, overrides, message):

@@ -147,7 +147,9 @@ SINGLE_DEVICE_CASES = [
         "fresh",
         id="fp16_unknown_loss_scaler_option",
     ),
-    pytest.param(["model.intermediate_dim=200"], "cannot be NF4-quantized", "fresh", id="nf4_incompatible_dims"),
+    pytest.param(
+        ["model.intermediate_dim=200"], "does not match the configured model", "fresh", id="checkpoint_shape_mismatch"
+    ),
     pytest.param(
         ["enable_activation_offloading=True"],
         "enable_activation_offloading=True needs a CUDA device",
