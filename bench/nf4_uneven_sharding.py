@@ -21,23 +21,22 @@ from typing import List
 import torch
 
 from torchtune_ext import models
-from torchtune_ext.distributed import NF4ShardingPlan, nf4_nbytes
-from torchtune_ext.distributed._nf4_sharding import _nf4_weights, _plan
+from torchtune_ext.distributed import NF4ShardingPlan, check_nf4_sharding, nf4_nbytes, nf4_weights
 
 MIB = 2**20
 
 
 def _layout(model: torch.nn.Module, world_size: int) -> NF4ShardingPlan:
     """``check_nf4_sharding``'s plan, without its log line."""
-    return _plan(model, world_size, allow_whole=True)
+    return check_nf4_sharding(model, world_size)
 
 
 def kept_whole_bytes(model: torch.nn.Module, world_size: int) -> int:
     """Bytes per rank when every weight that does not split evenly is kept whole (the others split evenly)."""
     plan = _layout(model, world_size)
     uneven = set(plan.uneven)
-    whole = sum(nf4_nbytes(w) for name, w in _nf4_weights(model).items() if name in uneven)
-    even = sum(nf4_nbytes(w) // world_size for name, w in _nf4_weights(model).items() if name not in uneven)
+    whole = sum(nf4_nbytes(w) for name, w in nf4_weights(model).items() if name in uneven)
+    even = sum(nf4_nbytes(w) // world_size for name, w in nf4_weights(model).items() if name not in uneven)
     return whole + even + plan.whole_bytes
 
 

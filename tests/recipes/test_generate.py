@@ -168,6 +168,8 @@ SHIPPED = {
     "qwen3/14B",
     "gemma2/2B",
     "gemma2/9B",
+    "phi3/mini",
+    "llama3_3/70B",
 }
 
 

@@ -134,6 +134,11 @@ def _check_supported(config: Dict[str, Any], path: Path) -> None:
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
         if config.get(key):
             problems.append(f"{key}={config[key]!r}")
+    if isinstance(targets, list) and {"qkv_proj", "gate_up_proj"} & set(targets):  # [issue 20] see docs/phi.md
+        problems.append(
+            "a Phi adapter on the fused qkv_proj / gate_up_proj does not split back into separate LoRAs: use the "
+            "training run's merged model (<output_dir>/step_<N>/merged) as the base instead"
+        )
     if problems:
         raise ValueError(f"{path}: this adapter uses settings the loader does not support: " + "; ".join(problems))
 

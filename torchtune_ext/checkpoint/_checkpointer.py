@@ -225,23 +225,21 @@ class QLoRAHFCheckpointer:
         locations, unexpected, mis_shaped = {}, [], []
         for path in self.checkpoint_paths:
             for hf_key, info in _safetensors.check_complete(path).items():
-                try:
-                    converted = converter.to_tune(hf_key, torch.empty(info["shape"], device="meta"))
+                try:  # [issue 20] one HF tensor may hold several (Phi's fused qkv_proj)
+                    converted = converter.to_tune_all(hf_key, torch.empty(info["shape"], device="meta"))
                 except Exception:  # torchtune's key mapping raises a bare Exception on an unknown key
-                    converted = (hf_key, None)
-                if converted is None:
-                    continue
-                key = converted[0]
-                if key not in expected:
-                    unexpected.append(f"{path.name}: {hf_key}")
-                    continue
-                shape = tuple(converted[1].shape)
-                if tuple(expected[key].shape) != shape:
-                    mis_shaped.append(
-                        f"{path.name}: {hf_key} has shape {shape} but the configured model expects "
-                        f"{tuple(expected[key].shape)} for {key}"
-                    )
-                locations[key] = (path, hf_key)
+                    converted = [(hf_key, None)]
+                for key, meta in converted:
+                    if key not in expected:
+                        unexpected.append(f"{path.name}: {hf_key}")
+                        continue
+                    shape = tuple(meta.shape)
+                    if tuple(expected[key].shape) != shape:
+                        mis_shaped.append(
+                            f"{path.name}: {hf_key} has shape {tuple(info['shape'])} but the configured model "
+                            f"expects {tuple(expected[key].shape)} for {key}"
+                        )
+                    locations[key] = (path, hf_key)
         missing = sorted(set(expected) - set(locations))
         if unexpected or missing or mis_shaped:
             problems = (
@@ -300,9 +298,7 @@ class QLoRAHFCheckpointer:
                 tensors, current = _safetensors.iter_tensors(path), path
             state = {}
             for _ in range(count):
-                converted = self.converter.to_tune(*next(tensors))
-                if converted is not None:
-                    state[converted[0]] = converted[1]
+                state.update(self.converter.to_tune_all(*next(tensors)))  # [issue 20]
             yield state
 
     def read_tensor(self, key: str) -> torch.Tensor:
@@ -314,7 +310,7 @@ class QLoRAHFCheckpointer:
             torch.Tensor: that tensor of the base checkpoint, in torchtune's layout and the checkpoint's dtype.
         """
         path, hf_key = self._locations[key]
-        return self.converter.to_tune(hf_key, _safetensors.read_tensor(path, hf_key))[1]
+        return dict(self.converter.to_tune_all(hf_key, _safetensors.read_tensor(path, hf_key)))[key]  # [issue 20]
 
     def read_vocab(self) -> Dict[str, torch.Tensor]:
         """The base's full-vocabulary embedding/output tensors (torchtune keys), to export a vocab-pruned model into.
@@ -370,21 +366,16 @@ class QLoRAHFCheckpointer:
             shapes (Optional[Dict[str, torch.Size]]): every base key's shape; None: from ``state``'s tensors.
         """
         converter = self.converter
-        keys = {}
-        specs = []
-        for key, shape in (shapes or {k: v.shape for k, v in state.items()}).items():
-            if is_adapter_key(key):
-                continue
-            hf_key, hf_meta = converter.to_hf(key, torch.empty(shape, device="meta"))
-            keys[hf_key] = key
-            specs.append(_safetensors.TensorSpec(hf_key, hf_meta.shape, dtype))
+        shapes = shapes or {k: v.shape for k, v in state.items()}
+        # [issue 20] an HF tensor may be several of ours (Phi's fused qkv_proj / gate_up_proj)
+        groups = converter.hf_groups({k: v for k, v in shapes.items() if not is_adapter_key(k)})
+        specs = [_safetensors.TensorSpec(hf_key, shape, dtype) for hf_key, (_, shape) in groups.items()]
         shards = _safetensors.plan_shards(specs, self.max_shard_bytes)
 
         def tensors(shard):
             for spec in shard:
-                key = keys[spec.name]
-                merged = self._merged_tensor(state, key, dtype, adapter_config, base)
-                yield converter.to_hf(key, check_finite_merged(key, merged))  # [issue 24]
+                merged = {k: self._merged_tensor(state, k, dtype, adapter_config, base) for k in groups[spec.name][0]}
+                yield converter.group_to_hf({k: check_finite_merged(k, v) for k, v in merged.items()})  # [issue 24]
 
         write_hf_model_files(folder, shards, tensors, self.hf_config, dtype)  # [issue 16] one HF folder writer
         for src in sorted(self.checkpoint_dir.iterdir()):
@@ -399,11 +390,14 @@ class QLoRAHFCheckpointer:
 
     def _write_adapter(self, state: Dict[str, torch.Tensor], folder: Path, adapter_config: Dict[str, Any]) -> None:
         adapters = {k: v for k, v in state.items() if is_adapter_key(k)}
-        converted = [self.converter.to_peft(k, v.detach().to("cpu")) for k, v in adapters.items()]
+        converted = self.converter.adapters_to_peft({k: v.detach().to("cpu") for k, v in adapters.items()})
         converted += _trainable_token_rows(state, adapter_config.get("trainable_token_indices"))
         specs = [_safetensors.TensorSpec(k, v.shape, v.dtype) for k, v in converted]
         _safetensors.write_tensors(folder / "adapter_model.safetensors", specs, converted)
         config = peft_adapter_config(base_model_name_or_path=self.base_model_name_or_path, **adapter_config)
+        config = self.converter.peft_config(  # [issue 20] Phi: fused target modules
+            config, list(adapter_config["target_modules"]), adapter_config["rank"], adapter_config["alpha"]
+        )
         write_json(folder / "adapter_config.json", config)
 
     def save(

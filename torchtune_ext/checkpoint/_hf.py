@@ -38,6 +38,7 @@ SUPPORTED_MODEL_TYPES: Dict[str, bool] = {
     "QWEN2": False,
     "QWEN3": False,  # [issue 20]
     "GEMMA2": True,  # [issue 20]
+    "PHI3_MINI": False,  # [issue 20] fused qkv / gate_up: Phi3Converter
 }
 
 #: model_type -> (hf_to_tune, tune_to_hf, HF -> torchtune key map) of families with their own conversion.
@@ -121,6 +122,10 @@ class HFConverter:
         Returns:
             HFConverter: the converter.
         """
+        if cls is HFConverter and model_type == "PHI3_MINI":  # [issue 20] fused HF tensors
+            from torchtune_ext.checkpoint._phi3 import Phi3Converter
+
+            return Phi3Converter.for_model(model_type, model)
         attn = model.layers[0].attn
         tied = not any(name == "output.weight" for name, _ in model.named_parameters())
         return cls(model_type, attn.num_heads, attn.num_kv_heads, attn.embed_dim, attn.head_dim, tied)
@@ -150,6 +155,70 @@ class HFConverter:
             return None
         converted = self._to_tune({hf_key: tensor}, **self._kwargs())
         return next(iter(converted.items()), None)
+
+    def to_tune_all(self, hf_key: str, tensor: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+        """All torchtune tensors one HF tensor holds (several where HF fuses them, e.g. Phi-3's ``qkv_proj``).
+
+        Args:
+            hf_key (str): HF key.
+            tensor (torch.Tensor): HF tensor.
+
+        Returns:
+            List[Tuple[str, torch.Tensor]]: torchtune keys and tensors (none for tensors torchtune drops).
+        """
+        converted = self.to_tune(hf_key, tensor)
+        return [] if converted is None else [converted]
+
+    def hf_groups(self, shapes: Dict[str, torch.Size]) -> Dict[str, Tuple[List[str], torch.Size]]:
+        """The HF tensors of a model with these torchtune base tensors.
+
+        Args:
+            shapes (Dict[str, torch.Size]): torchtune key -> shape of every base tensor.
+
+        Returns:
+            Dict[str, Tuple[List[str], torch.Size]]: HF key -> (the torchtune keys it is made of, its shape).
+        """
+        groups = {}
+        for key, shape in shapes.items():
+            hf_key, meta = self.to_hf(key, torch.empty(shape, device="meta"))
+            groups[hf_key] = ([key], meta.shape)
+        return groups
+
+    def group_to_hf(self, tensors: Dict[str, torch.Tensor]) -> Tuple[str, torch.Tensor]:
+        """One HF tensor from the torchtune tensors :meth:`hf_groups` names for it.
+
+        Args:
+            tensors (Dict[str, torch.Tensor]): torchtune key -> tensor, in :meth:`hf_groups` order.
+
+        Returns:
+            Tuple[str, torch.Tensor]: HF key and tensor.
+        """
+        ((key, tensor),) = tensors.items()
+        return self.to_hf(key, tensor)
+
+    def adapters_to_peft(self, adapters: Dict[str, torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:
+        """
+        Args:
+            adapters (Dict[str, torch.Tensor]): torchtune adapter keys -> tensors.
+
+        Returns:
+            List[Tuple[str, torch.Tensor]]: their PEFT keys and tensors (:meth:`to_peft` each).
+        """
+        return [self.to_peft(k, v) for k, v in adapters.items()]
+
+    def peft_config(self, config: Dict[str, Any], target_modules: List[str], rank: int, alpha: float) -> Dict:
+        """Family-specific changes to the PEFT ``adapter_config.json`` (none here; see ``Phi3Converter``).
+
+        Args:
+            config (Dict[str, Any]): the config of :func:`peft_adapter_config`.
+            target_modules (List[str]): torchtune module names.
+            rank (int): LoRA rank.
+            alpha (float): LoRA alpha.
+
+        Returns:
+            Dict: the config.
+        """
+        return config
 
     def to_hf(self, tune_key: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
         """Converts one torchtune tensor (works on meta tensors, to plan shapes).

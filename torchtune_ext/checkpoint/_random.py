@@ -61,18 +61,15 @@ def write_random_hf_checkpoint(
         scale = embedding_std if embedding_std is not None and key in _EMBEDDING_KEYS else std
         return torch.empty(shape, dtype=torch.float32).normal_(0, scale, generator=generator).to(dtype)
 
-    specs = [
-        _safetensors.TensorSpec(converter.to_hf(k, torch.empty(v.shape, device="meta"))[0], v.shape, dtype)
-        for k, v in base.items()
-    ]
-    keys = dict(zip([s.name for s in specs], base))
+    groups = converter.hf_groups({k: v.shape for k, v in base.items()})  # [issue 20] Phi's fused HF tensors
+    specs = [_safetensors.TensorSpec(hf_key, shape, dtype) for hf_key, (_, shape) in groups.items()]
     shards = [specs] if max_shard_size_mb is None else _safetensors.plan_shards(specs, max_shard_size_mb * 1024**2)
 
     def tensors(shard):
         for spec in shard:
             if progress is not None:
                 progress(spec.name)
-            yield converter.to_hf(keys[spec.name], make(keys[spec.name], base[keys[spec.name]].shape))
+            yield converter.group_to_hf({k: make(k, base[k].shape) for k in groups[spec.name][0]})
 
     with atomic_directory(checkpoint_dir) as tmp:
         write_hf_model_files(tmp, shards, tensors, hf_config, dtype, single_file=max_shard_size_mb is None)

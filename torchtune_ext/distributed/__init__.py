@@ -12,7 +12,7 @@ from torchtune_ext.distributed._launch import (
     launched_world_size,
     per_rank_batch_size,
 )
-from torchtune_ext.distributed._nf4_sharding import NF4ShardingPlan, check_nf4_sharding, nf4_nbytes
+from torchtune_ext.distributed._nf4_sharding import NF4ShardingPlan, check_nf4_sharding, nf4_nbytes, nf4_weights
 from torchtune_ext.distributed._optimizer import get_full_optimizer_state, load_full_optimizer_state
 from torchtune_ext.distributed._parallelize import (
     VOCAB_PRUNING_SHARDING,
@@ -33,6 +33,7 @@ __all__ = [
     "backend_for",
     "check_nf4_sharding",
     "nf4_nbytes",
+    "nf4_weights",
     "check_dataset_size",
     "check_fsdp_cpu_offload",
     "clip_grad_norm_",

@@ -89,7 +89,7 @@ def nf4_shard_nbytes(weight: NF4Tensor, world_size: int) -> int:
     return nf4_nbytes(weight) - sharded + sharded * per_rank // groups
 
 
-def _nf4_weights(model: nn.Module) -> Dict[str, NF4Tensor]:
+def nf4_weights(model: nn.Module) -> Dict[str, NF4Tensor]:
     """The model's NF4 parameters by unwrapped name (one entry per tied parameter)."""
     seen: Set[int] = set()
     weights = {}
@@ -134,7 +134,7 @@ def _plan(model: nn.Module, world_size: int, allow_whole: bool) -> NF4ShardingPl
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: NF4 sharding needs at least one rank.")
     whole, uneven, whole_bytes, sharded_bytes, padding_bytes = [], [], 0, 0, 0
-    for name, weight in _nf4_weights(model).items():
+    for name, weight in nf4_weights(model).items():
         layout = _layout(weight, world_size)
         if layout != "whole":
             shard = nf4_shard_nbytes(weight, world_size)
@@ -167,7 +167,7 @@ def prepare_nf4_sharding(model: nn.Module, world_size: int) -> Set[nn.Parameter]
         Set[nn.Parameter]: the NF4 parameters to keep whole on every rank (``fully_shard``'s ``ignored_params``).
     """
     plan = _plan(model, world_size, allow_whole=True)
-    weights = _nf4_weights(model)
+    weights = nf4_weights(model)
     replaced = {
         id(weights[name]): nn.Parameter(UnevenNF4Tensor.from_nf4(weights[name], world_size), requires_grad=False)
         for name in plan.uneven

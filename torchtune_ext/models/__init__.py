@@ -8,6 +8,7 @@ from torchtune.models.llama2 import lora_llama2_7b, lora_llama2_13b, lora_llama2
 from torchtune.models.llama3_1 import lora_llama3_1_8b, lora_llama3_1_70b
 from torchtune.models.llama3_2 import lora_llama3_2_1b, lora_llama3_2_3b
 from torchtune.models.mistral import lora_mistral_7b
+from torchtune.models.phi3 import lora_phi3_mini
 from torchtune.models.qwen2_5 import (
     lora_qwen2_5_0_5b,
     lora_qwen2_5_1_5b_instruct,
@@ -18,6 +19,7 @@ from torchtune.models.qwen2_5 import (
 from torchtune_ext.models._from_hf import torchtune_builder_for
 from torchtune_ext.models._gemma2 import lora_gemma2, lora_gemma2_2b, lora_gemma2_9b, lora_gemma2_27b
 from torchtune_ext.models._init import check_adapter_state, init_adapters_, init_weights_, materialize_
+from torchtune_ext.models._phi3 import lora_phi, lora_phi3_5_mini, lora_phi4_mini  # [issue 20]
 from torchtune_ext.models._qlora import build_qlora, qlora_builder
 from torchtune_ext.models._qwen3 import (  # [issue 20]
     lora_qwen3,
@@ -42,6 +44,7 @@ qlora_llama2_13b = qlora_builder(lora_llama2_13b)
 qlora_llama2_70b = qlora_builder(lora_llama2_70b)
 qlora_llama3_1_8b = qlora_builder(lora_llama3_1_8b)
 qlora_llama3_1_70b = qlora_builder(lora_llama3_1_70b)
+qlora_llama3_3_70b = qlora_llama3_1_70b  # [issue 20] Llama 3.3 70B: Llama 3.1 70B's architecture (as torchtune)
 qlora_llama3_2_1b = qlora_builder(lora_llama3_2_1b)
 qlora_llama3_2_3b = qlora_builder(lora_llama3_2_3b)
 qlora_qwen2_5_0_5b = qlora_builder(lora_qwen2_5_0_5b)
@@ -63,6 +66,9 @@ qlora_gemma2 = qlora_builder(lora_gemma2)  # [issue 20] Gemma 2
 qlora_gemma2_2b = qlora_builder(lora_gemma2_2b)
 qlora_gemma2_9b = qlora_builder(lora_gemma2_9b)
 qlora_gemma2_27b = qlora_builder(lora_gemma2_27b)
+qlora_phi3_mini = qlora_builder(lora_phi3_mini)  # [issue 20] Phi-3-mini-4k (plain RoPE)
+qlora_phi3_5_mini = qlora_builder(lora_phi3_5_mini)  # LongRoPE from the checkpoint's config.json
+qlora_phi4_mini = qlora_builder(lora_phi4_mini)
 
 #: our builder -> the torchtune builder it wraps (tests compare the two).
 QLORA_BUILDERS = {
@@ -89,6 +95,7 @@ QLORA_BUILDERS = {
     qlora_gemma2_2b: lora_gemma2_2b,
     qlora_gemma2_9b: lora_gemma2_9b,
     qlora_gemma2_27b: lora_gemma2_27b,
+    qlora_phi3_mini: lora_phi3_mini,  # [issue 20]
     qlora_tiny_llama: lora_tiny_llama,
     qlora_tiny_qwen: lora_tiny_qwen,
 }
@@ -106,6 +113,12 @@ __all__ = [
     "lora_gemma2_9b",
     "lora_gemma2_27b",
     "qlora_gemma2",
+    "lora_phi",  # [issue 20]
+    "lora_phi3_5_mini",
+    "lora_phi4_mini",
+    "qlora_llama3_3_70b",
+    "qlora_phi3_5_mini",
+    "qlora_phi4_mini",
     "lora_smollm2",
     "lora_smollm2_135m",
     "lora_smollm2_360m",

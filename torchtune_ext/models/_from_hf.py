@@ -12,11 +12,19 @@ from torchtune.models.qwen2 import lora_qwen2
 from torchtune.modules import TransformerDecoder
 
 from torchtune_ext.models._gemma2 import gemma2_builder_args, lora_gemma2
+from torchtune_ext.models._phi3 import hf_rope_scaling, lora_phi
 from torchtune_ext.models._qwen3 import lora_qwen3
 from torchtune_ext.models._smollm2 import lora_smollm2
 
 #: HF ``model_type`` -> our checkpointer's model type.
-HF_MODEL_TYPES = {"llama": "LLAMA3_2", "mistral": "MISTRAL", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma2": "GEMMA2"}
+HF_MODEL_TYPES = {
+    "llama": "LLAMA3_2",
+    "mistral": "MISTRAL",
+    "qwen2": "QWEN2",
+    "qwen3": "QWEN3",
+    "gemma2": "GEMMA2",
+    "phi3": "PHI3_MINI",
+}
 
 
 def torchtune_builder_for(hf_config: Dict[str, Any]) -> Tuple[Callable[..., TransformerDecoder], Dict[str, Any], str]:
@@ -60,6 +68,12 @@ def torchtune_builder_for(hf_config: Dict[str, Any]) -> Tuple[Callable[..., Tran
             raise ValueError(f"config.json has rope_scaling={scaling}; Qwen3 is supported without RoPE scaling.")
         qwen3 = dict(head_dim=hf_config.get("head_dim", args["embed_dim"] // heads), tie_word_embeddings=tied)
         return lora_qwen3, {**args, **qwen3}, HF_MODEL_TYPES[model_type]
+    if model_type == "phi3":  # [issue 20] Phi-3 / 3.5 / 4 / 4-mini
+        phi = dict(
+            partial_rotary_factor=hf_config.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0)),
+            tie_word_embeddings=tied,
+        )
+        return lora_phi, {**args, **phi, "rope_scaling": hf_rope_scaling(hf_config)}, HF_MODEL_TYPES[model_type]
     if model_type == "qwen2":
         return lora_qwen2, {**args, "tie_word_embeddings": tied}, HF_MODEL_TYPES[model_type]
     rope_type = scaling.get("rope_type", scaling.get("type"))
