@@ -37,7 +37,7 @@ def _assert_quiet(result: subprocess.CompletedProcess) -> None:
 
 
 #: our recipes whose names torchtune's registry already holds (torchtune's keep them).
-TORCHTUNE_NAMES = {"generate"}
+TORCHTUNE_NAMES = {"generate", "eleuther_eval"}
 
 
 def test_registry_lists_our_recipes_and_configs():
