@@ -26,7 +26,7 @@ from torchtune.models.convert_weights import get_mapped_key
 from torchtune.models.phi3._convert_weights import _PHI3_MINI
 
 from torchtune_ext.checkpoint._hf import HFConverter
-from torchtune_ext.models._phi3 import hf_rope_scaling
+from torchtune_ext.modules import hf_rope_scaling
 
 #: fused HF module -> its torchtune members, in row order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("w1", "w3")}

@@ -12,9 +12,10 @@ from torchtune.models.qwen2 import lora_qwen2
 from torchtune.modules import TransformerDecoder
 
 from torchtune_ext.models._gemma2 import gemma2_builder_args, lora_gemma2
-from torchtune_ext.models._phi3 import hf_rope_scaling, lora_phi
+from torchtune_ext.models._phi3 import lora_phi
 from torchtune_ext.models._qwen3 import lora_qwen3
 from torchtune_ext.models._smollm2 import lora_smollm2
+from torchtune_ext.modules import hf_rope_scaling
 
 #: HF ``model_type`` -> our checkpointer's model type.
 HF_MODEL_TYPES = {

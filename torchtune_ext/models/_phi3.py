@@ -29,6 +29,8 @@ from torchtune.models.phi3 import lora_phi3
 from torchtune.models.phi3._component_builders import LORA_ATTN_MODULES
 from torchtune.modules import MultiHeadAttention, TiedLinear, TransformerDecoder
 
+from torchtune_ext.modules import hf_rope_scaling
+
 
 class PhiRotaryEmbeddings(nn.Module):
     """Phi's RoPE (rotating halves, as transformers' ``Phi3RotaryEmbedding``) with LongRoPE and partial rotation.
@@ -271,23 +273,6 @@ def _longrope_args(rope_scaling: Dict[str, Any], max_seq_len: int, rotary_dim: i
     )
 
 
-def hf_rope_scaling(hf_config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """An HF Phi ``config.json``'s LongRoPE settings in :func:`lora_phi`'s ``rope_scaling`` form.
-
-    Args:
-        hf_config (Dict[str, Any]): the config (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``).
-
-    Returns:
-        Optional[Dict[str, Any]]: None when the checkpoint has plain RoPE.
-    """
-    scaling = dict(hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {})
-    if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-        return None
-    if "original_max_position_embeddings" in hf_config:
-        scaling.setdefault("original_max_position_embeddings", hf_config["original_max_position_embeddings"])
-    return scaling
-
-
 def read_rope_scaling(rope_scaling_config: str) -> Optional[Dict[str, Any]]:
     """The LongRoPE settings of the checkpoint whose ``config.json`` is at ``rope_scaling_config``.
 
@@ -295,7 +280,7 @@ def read_rope_scaling(rope_scaling_config: str) -> Optional[Dict[str, Any]]:
         rope_scaling_config (str): the path.
 
     Returns:
-        Optional[Dict[str, Any]]: see :func:`hf_rope_scaling`.
+        Optional[Dict[str, Any]]: see :func:`torchtune_ext.modules.hf_rope_scaling`.
 
     Raises:
         FileNotFoundError: naming the config key and the fix.

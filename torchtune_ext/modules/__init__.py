@@ -13,7 +13,7 @@ from torchtune_ext.modules.low_precision import (
     linear_nf4,
 )
 from torchtune_ext.modules.peft import DoRALinear, LoRALinear, init_lora_weights_
-from torchtune_ext.modules.rope import share_rope_
+from torchtune_ext.modules.rope import hf_rope_scaling, share_rope_
 from torchtune_ext.modules.transformer import (
     ContiguousChunksTransformerDecoder,
     TiledFeedForward,
@@ -61,6 +61,7 @@ __all__ = [
     "prune_state_dict",
     "prune_vocab_",
     "save_kept_ids",
+    "hf_rope_scaling",
     "share_rope_",
     "tile_mlp_",
     "use_contiguous_chunks_",

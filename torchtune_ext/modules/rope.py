@@ -97,3 +97,20 @@ def share_rope_(model: nn.Module, max_seq_len: Optional[int] = None) -> List[nn.
             rope.register_forward_pre_hook(_grow_on_demand, with_kwargs=True)
             rope._grows_on_demand = True
     return list(shared.values())
+
+
+def hf_rope_scaling(hf_config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """An HF Phi ``config.json``'s LongRoPE settings in :func:`lora_phi`'s ``rope_scaling`` form.
+
+    Args:
+        hf_config (Dict[str, Any]): the config (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``).
+
+    Returns:
+        Optional[Dict[str, Any]]: None when the checkpoint has plain RoPE.
+    """
+    scaling = dict(hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {})
+    if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        return None
+    if "original_max_position_embeddings" in hf_config:
+        scaling.setdefault("original_max_position_embeddings", hf_config["original_max_position_embeddings"])
+    return scaling
