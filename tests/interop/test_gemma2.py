@@ -28,14 +28,14 @@ scaling) to 20 (logit capping); torchtune's own key mapping (pre/post-MLP norms 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, Tuple
 
 import pytest
 import torch
 from _hf_runner import ROOT, hf_logits
-from omegaconf import DictConfig, OmegaConf
+from _tiny_recipe import TUNE, run_recipe, tiny_training_args
+from omegaconf import DictConfig
 from safetensors.torch import load_file
 from test_hf_peft_interop import _ours
 
@@ -44,7 +44,6 @@ from torchtune_ext.models import lora_gemma2, qlora_gemma2_9b, torchtune_builder
 
 pytestmark = [pytest.mark.integration_test, pytest.mark.stack]
 
-TUNE = Path(sys.executable).parent / "tune"
 CONFIG = "configs/gemma2/2B_qlora_single_device.yaml"
 STEPS = 3
 SEQ_LEN = 48
@@ -242,32 +241,9 @@ def _train(out: Path, base: Path) -> DictConfig:
         f"checkpointer.checkpoint_dir={base}",
         "checkpointer.checkpoint_files=[model.safetensors]",
         *(f"model.{k}={v}" for k, v in MODEL_ARGS.items()),
-        "dtype=fp32",
-        "device=cpu",
-        "optimizer.fused=False",
-        "batch_size=4",
-        "gradient_accumulation_steps=1",
-        f"max_steps_per_epoch={STEPS}",
-        "lr_scheduler.num_warmup_steps=0",
-        "optimizer.lr=3e-3",
-        "tokenizer._component_=torchtune_ext.data.tiny_tokenizer",
-        "tokenizer.max_seq_len=48",
-        "dataset._component_=torchtune_ext.data.tiny_instruct_dataset",
-        "dataset.num_samples=64",
-        "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
-        f"metric_logger.log_dir={out}/logs",
+        *tiny_training_args(out, STEPS),
     ]
-    removed = ["~tokenizer.path", "~dataset.packed"]
-    result = subprocess.run(
-        [str(TUNE), "run", "recipes/qlora_finetune_single_device.py", "--config", CONFIG, *args, *removed],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
-    )
-    assert result.returncode == 0, f"recipe run failed (rc {result.returncode}):\n{result.stderr[-6000:]}"
-    return OmegaConf.merge(OmegaConf.load(ROOT / CONFIG), OmegaConf.from_dotlist(args))
+    return run_recipe(CONFIG, args, RUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -30,15 +30,13 @@ function in a different order of operations). Dropping LongRoPE (plain RoPE) mov
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict
 
 import pytest
 import torch
-from _hf_runner import ROOT, hf_logits
+from _hf_runner import hf_logits
+from _tiny_recipe import run_recipe, tiny_training_args
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from test_hf_peft_interop import _ours
@@ -49,7 +47,6 @@ from torchtune_ext.models import lora_phi, qlora_phi3_5_mini, torchtune_builder_
 
 pytestmark = [pytest.mark.integration_test, pytest.mark.stack]
 
-TUNE = Path(sys.executable).parent / "tune"
 CONFIG = "configs/phi3/mini_qlora_single_device.yaml"
 NUM_LAYERS = 2
 STEPS = 3
@@ -261,32 +258,9 @@ def _train(out: Path, base: Path) -> Any:
         "model.num_heads=4",
         "model.num_kv_heads=4",
         "model.intermediate_dim=1024",
-        "dtype=fp32",
-        "device=cpu",
-        "optimizer.fused=False",
-        "batch_size=4",
-        "gradient_accumulation_steps=1",
-        f"max_steps_per_epoch={STEPS}",
-        "lr_scheduler.num_warmup_steps=0",
-        "optimizer.lr=3e-3",
-        "tokenizer._component_=torchtune_ext.data.tiny_tokenizer",
-        "tokenizer.max_seq_len=48",
-        "dataset._component_=torchtune_ext.data.tiny_instruct_dataset",
-        "dataset.num_samples=64",
-        "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
-        f"metric_logger.log_dir={out}/logs",
+        *tiny_training_args(out, STEPS),
     ]
-    removed = ["~tokenizer.path", "~dataset.packed"]
-    result = subprocess.run(
-        [str(TUNE), "run", "recipes/qlora_finetune_single_device.py", "--config", CONFIG, *args, *removed],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
-    )
-    assert result.returncode == 0, f"recipe run failed (rc {result.returncode}):\n{result.stderr[-6000:]}"
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / CONFIG), OmegaConf.from_dotlist(args))
+    cfg = run_recipe(CONFIG, args, RUN_TIMEOUT_S)
     OmegaConf.resolve(cfg)
     return cfg
 

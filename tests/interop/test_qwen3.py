@@ -23,16 +23,14 @@ operations; the unquantized logits measured equal to transformers' sdpa ones to 
 order moves them by 0.6-0.8.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, Tuple
 
 import pytest
 import torch
-from _hf_runner import ROOT, hf_logits
-from omegaconf import DictConfig, OmegaConf
+from _hf_runner import hf_logits
+from _tiny_recipe import run_recipe, tiny_training_args
+from omegaconf import DictConfig
 from safetensors.torch import load_file
 from test_hf_peft_interop import _ours
 from torchtune.modules import MultiHeadAttention
@@ -51,7 +49,6 @@ from torchtune_ext.models import (
 
 pytestmark = [pytest.mark.integration_test, pytest.mark.stack]
 
-TUNE = Path(sys.executable).parent / "tune"
 NUM_LAYERS = 2
 STEPS = 3
 SEQ_LEN = 128
@@ -242,35 +239,9 @@ def _train(out: Path, base: Path, config: str, nproc: int = 0) -> DictConfig:
         f"model.max_seq_len={SMALL['max_position_embeddings']}",
         "model.lora_rank=8",
         "model.lora_alpha=16",
-        "dtype=fp32",
-        "device=cpu",
-        "optimizer.fused=False",
-        "batch_size=4",
-        "gradient_accumulation_steps=1",
-        f"max_steps_per_epoch={STEPS}",
-        "lr_scheduler.num_warmup_steps=0",
-        "optimizer.lr=3e-3",
-        "tokenizer._component_=torchtune_ext.data.tiny_tokenizer",
-        "tokenizer.max_seq_len=48",
-        "dataset._component_=torchtune_ext.data.tiny_instruct_dataset",
-        "dataset.num_samples=64",
-        "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
-        f"metric_logger.log_dir={out}/logs",
+        *tiny_training_args(out, STEPS),
     ]
-    removed = ["~tokenizer.path", "~tokenizer.merges_file", "~tokenizer.special_tokens_path", "~dataset.packed"]
-    recipe = "recipes/qlora_finetune_distributed.py" if nproc else "recipes/qlora_finetune_single_device.py"
-    launch = ["--nproc_per_node", str(nproc)] if nproc else []
-    args += ["process_group_timeout_s=120"] if nproc else []
-    result = subprocess.run(
-        [str(TUNE), "run", *launch, recipe, "--config", config, *args, *removed],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env={**os.environ, "OMP_NUM_THREADS": "1" if nproc else "2"},
-    )
-    assert result.returncode == 0, f"recipe run failed (rc {result.returncode}):\n{result.stderr[-6000:]}"
-    return OmegaConf.merge(OmegaConf.load(ROOT / config), OmegaConf.from_dotlist(args))
+    return run_recipe(config, args, RUN_TIMEOUT_S, nproc)
 
 
 @pytest.fixture(scope="module")
