@@ -32,7 +32,8 @@ placeholder can never be imported.
 
 The finder also lists this package's recipes and configs in torchtune's recipe registry as
 ``torchtune._recipe_registry`` is imported (:func:`_register_recipes`), so torchtune's own ``tune ls``, ``tune cp``
-and ``tune run <recipe> --config <config>`` know them by name from any folder; and it silences, narrowly, three
+and ``tune run <recipe> --config <config>`` know them by name from any folder, and ``tune run /path/to/my_recipe.py``
+runs a copied recipe from any folder (:func:`_recipe_files_tune_run_cannot_import`); and it silences, narrowly, three
 start-up warnings nobody can act on, each where it is emitted (:func:`_quiet_known_warnings`, which says why).
 As ``torchtune._cli.run`` is imported it makes ``tune run --nproc_per_node N`` exit 130/143 without torchrun's
 traceback when interrupted, and exit 2 with the config error's line once on a config error, without torchrun's log
@@ -52,7 +53,7 @@ import tempfile
 import types
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 if TYPE_CHECKING:
     import logging
@@ -259,7 +260,30 @@ def _register_recipes(registry: types.ModuleType) -> None:
         for name, path in recipe_files().items()
         if name not in known
     ]
+    ours += [
+        registry.Recipe(name=arg, file_path=str(Path(arg).resolve()), configs=[], supports_distributed=True)
+        for arg in _recipe_files_tune_run_cannot_import()
+        if arg not in known
+    ]
     recipes[:0] = ours
+
+
+def _recipe_files_tune_run_cannot_import() -> List[str]:
+    """Under ``tune run``, the recipe files on its command line (before ``--config``) that torchtune would turn into
+    a relative module name: torchtune runs a file path as the module ``x.my_recipe`` (``x/my_recipe.py``) from the
+    working folder, and an absolute path or one through ``.``/``..`` gives ``.tmp.x.my_recipe``, which runpy
+    refuses ("Relative module names not supported"). Registered under the path as typed, torchtune runs such a file
+    by its absolute path, as it runs its own recipes (``runpy.run_path``, or torchrun on the file): one module,
+    ``__main__``, from any working folder."""
+    if Path(sys.argv[0]).stem != "tune" or sys.argv[1:2] != ["run"]:
+        return []
+    args = sys.argv[2:]
+    before_config = args[: args.index("--config")] if "--config" in args else args
+    return [
+        arg
+        for arg in before_config
+        if arg.endswith(".py") and "" in os.path.splitext(arg)[0].replace("/", ".").split(".") and Path(arg).is_file()
+    ]
 
 
 def _exit_like_interrupted_workers(run_module: types.ModuleType) -> None:
