@@ -16,7 +16,6 @@ Precision: the logit capping runs in fp32 (the logits are returned in fp32, as t
 the attention scores are capped in the compute dtype and their softmax is fp32, as in transformers' eager attention.
 """
 
-from functools import partial
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -27,6 +26,7 @@ from torchtune.models.gemma2._component_builders import lora_gemma2 as torchtune
 from torchtune.modules import FrozenNF4Linear, TiedLinear, TransformerDecoder
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
+from torchtune_ext.models._common import check_no_lora_on_tied_output, sized_builder
 from torchtune_ext.modules.low_precision import FrozenEmbedding, FrozenTiedLinear
 
 
@@ -167,11 +167,7 @@ def lora_gemma2(
     Raises:
         ValueError: if ``apply_lora_to_output`` is set.
     """
-    if apply_lora_to_output:
-        raise ValueError(
-            "model.apply_lora_to_output=True: Gemma 2's output projection is tied to the token embedding and "
-            "cannot take LoRA; set model.apply_lora_to_output=False."
-        )
+    check_no_lora_on_tied_output(apply_lora_to_output, True, "Gemma 2")
     model = torchtune_lora_gemma2(
         lora_attn_modules or ["q_proj"],  # torchtune's builder wants one; undone below
         apply_lora_to_mlp,
@@ -227,9 +223,10 @@ GEMMA2_ARCHS: Dict[str, Dict[str, Any]] = {
 
 
 def _sized(size: str) -> Callable[..., TransformerDecoder]:
-    """``lora_gemma2`` with one size's architecture as defaults (a config may still set any of them)."""
-    builder = partial(
+    return sized_builder(
         lora_gemma2,
+        f"lora_gemma2_{size}",
+        f"Gemma 2 {size.upper()}: :func:`lora_gemma2` with {GEMMA2_ARCHS[size]}, vocab 256000.",
         vocab_size=256_000,
         max_seq_len=8192,
         norm_eps=1e-6,
@@ -237,14 +234,8 @@ def _sized(size: str) -> Callable[..., TransformerDecoder]:
         attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0,
         sliding_window_size=4096,
-        lora_rank=8,
-        lora_alpha=16,
         **GEMMA2_ARCHS[size],
     )
-    builder.__name__ = builder.__qualname__ = f"lora_gemma2_{size}"
-    builder.__module__ = __name__
-    builder.__doc__ = f"Gemma 2 {size.upper()}: :func:`lora_gemma2` with {GEMMA2_ARCHS[size]}, vocab 256000."
-    return builder
 
 
 lora_gemma2_2b = _sized("2b")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -27,8 +26,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torchtune.models.phi3 import lora_phi3
 from torchtune.models.phi3._component_builders import LORA_ATTN_MODULES
-from torchtune.modules import MultiHeadAttention, TiedLinear, TransformerDecoder
+from torchtune.modules import MultiHeadAttention, TransformerDecoder
 
+from torchtune_ext.models._common import check_no_lora_on_tied_output, sized_builder, tie_output_
 from torchtune_ext.modules import hf_rope_scaling
 
 
@@ -213,11 +213,7 @@ def lora_phi(
     Raises:
         ValueError: on LoRA on a tied output, or a ``rope_scaling`` that is not LongRoPE.
     """
-    if tie_word_embeddings and apply_lora_to_output:
-        raise ValueError(
-            "model.apply_lora_to_output=True: this Phi model's output projection is tied to the token embedding and "
-            "cannot take LoRA; set model.apply_lora_to_output=False."
-        )
+    check_no_lora_on_tied_output(apply_lora_to_output, tie_word_embeddings, "this Phi model")
     model = lora_phi3(
         lora_attn_modules,
         apply_lora_to_mlp,
@@ -244,10 +240,7 @@ def lora_phi(
     for module in model.modules():
         if isinstance(module, MultiHeadAttention):
             module.pos_embeddings = rope
-    if tie_word_embeddings:
-        del model.output
-        model.output = TiedLinear(model.tok_embeddings)
-    return model
+    return tie_output_(model) if tie_word_embeddings else model
 
 
 def _longrope_args(rope_scaling: Dict[str, Any], max_seq_len: int, rotary_dim: int) -> Dict[str, Any]:
@@ -316,22 +309,16 @@ _NAMES = {"3_5_mini": "Phi-3.5-mini-instruct", "4_mini": "Phi-4-mini-instruct"}
 
 
 def _sized(size: str) -> Callable[..., TransformerDecoder]:
-    builder = partial(
+    return sized_builder(
         lora_phi,
+        f"lora_phi{size}",
+        f"{_NAMES[size]}: :func:`lora_phi` with {PHI_ARCHS[size]}, max_seq_len 131072 (the LongRoPE context), "
+        "rope theta 10000, LongRoPE factors from ``rope_scaling_config`` (the checkpoint's config.json).",
         max_seq_len=131_072,
         norm_eps=1e-5,
         rope_base=10_000.0,
-        lora_rank=8,
-        lora_alpha=16,
         **PHI_ARCHS[size],
     )
-    builder.__name__ = builder.__qualname__ = f"lora_phi{size}"
-    builder.__module__ = __name__
-    builder.__doc__ = (
-        f"{_NAMES[size]}: :func:`lora_phi` with {PHI_ARCHS[size]}, max_seq_len 131072 (the LongRoPE context), "
-        "rope theta 10000, LongRoPE factors from ``rope_scaling_config`` (the checkpoint's config.json)."
-    )
-    return builder
 
 
 lora_phi3_5_mini = _sized("3_5_mini")

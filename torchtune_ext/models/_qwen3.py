@@ -9,7 +9,6 @@ layout: no q/k permutation), ``lora_qwen2_mlp``, ``TransformerSelfAttentionLayer
 ``TiedLinear``. The sizes are those of the HF ``config.json`` of ``Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B}``.
 """
 
-from functools import partial
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -25,6 +24,8 @@ from torchtune.modules import (
 )
 from torchtune.modules.attention_utils import _MaskType
 from torchtune.modules.peft import LORA_ATTN_MODULES, DoRALinear, LoRALinear
+
+from torchtune_ext.models._common import check_no_lora_on_tied_output, sized_builder
 
 
 class Qwen3Attention(MultiHeadAttention):
@@ -234,11 +235,7 @@ def lora_qwen3(
     Raises:
         ValueError: if ``apply_lora_to_output`` with a tied output.
     """
-    if apply_lora_to_output and tie_word_embeddings:
-        raise ValueError(
-            "model.apply_lora_to_output=True with a tied output (Qwen3 0.6B/1.7B/4B): the output projection is the "
-            "frozen token embedding and cannot take LoRA; set model.apply_lora_to_output=False."
-        )
+    check_no_lora_on_tied_output(apply_lora_to_output, tie_word_embeddings, "Qwen3 (0.6B/1.7B/4B: tied)")
     lora = dict(lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, quantize_base=quantize_base)
     layers = nn.ModuleList()
     for _ in range(num_layers):
@@ -294,26 +291,19 @@ _TIED = {"0_6b": True, "1_7b": True, "4b": True, "8b": False, "14b": False}
 
 
 def _sized(size: str) -> Callable[..., TransformerDecoder]:
-    """``lora_qwen3`` with one size's architecture as defaults (a config may still set any of them)."""
-    builder = partial(
+    return sized_builder(
         lora_qwen3,
+        f"lora_qwen3_{size}",
+        f"Qwen3-{size.replace('_', '.').upper()}: :func:`lora_qwen3` with {QWEN3_ARCHS[size]}, head_dim 128, "
+        f"{'tied' if _TIED[size] else 'untied'} output, rope_base 1e6, vocab 151936, max_seq_len 40960.",
         vocab_size=151_936,
         max_seq_len=40_960,
         head_dim=128,
         norm_eps=1e-6,
         rope_base=1_000_000.0,
         tie_word_embeddings=_TIED[size],
-        lora_rank=8,
-        lora_alpha=16,
         **QWEN3_ARCHS[size],
     )
-    builder.__name__ = builder.__qualname__ = f"lora_qwen3_{size}"
-    builder.__module__ = __name__
-    builder.__doc__ = (
-        f"Qwen3-{size.replace('_', '.').upper()}: :func:`lora_qwen3` with {QWEN3_ARCHS[size]}, head_dim 128, "
-        f"{'tied' if _TIED[size] else 'untied'} output, rope_base 1e6, vocab 151936, max_seq_len 40960."
-    )
-    return builder
 
 
 lora_qwen3_0_6b = _sized("0_6b")

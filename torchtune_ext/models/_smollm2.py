@@ -7,12 +7,13 @@ style). :func:`lora_smollm2` is ``lora_llama3`` with its output projection tied 
 ``HuggingFaceTB/SmolLM2-{135M,360M,1.7B}(-Instruct)``.
 """
 
-from functools import partial
 from typing import Any, Callable, Dict, List
 
 from torchtune.models.llama3 import lora_llama3
 from torchtune.models.llama3._component_builders import LORA_ATTN_MODULES
-from torchtune.modules import TiedLinear, TransformerDecoder
+from torchtune.modules import TransformerDecoder
+
+from torchtune_ext.models._common import check_no_lora_on_tied_output, sized_builder, tie_output_
 
 
 def lora_smollm2(
@@ -64,11 +65,7 @@ def lora_smollm2(
     Raises:
         ValueError: if ``apply_lora_to_output`` is set.
     """
-    if apply_lora_to_output:
-        raise ValueError(
-            "model.apply_lora_to_output=True: SmolLM2's output projection is tied to the token embedding and "
-            "cannot take LoRA; set model.apply_lora_to_output=False."
-        )
+    check_no_lora_on_tied_output(apply_lora_to_output, True, "SmolLM2")
     model = lora_llama3(
         lora_attn_modules,
         apply_lora_to_mlp,
@@ -89,9 +86,7 @@ def lora_smollm2(
         use_dora=use_dora,
         quantize_base=quantize_base,
     )
-    del model.output  # a module until now; torchtune's TiedLinear is a plain object holding the embedding
-    model.output = TiedLinear(model.tok_embeddings)
-    return model
+    return tie_output_(model)
 
 
 #: the architecture of each size, from its HF ``config.json`` (all: vocab 49152, RMSNorm eps 1e-5, tied output).
@@ -105,24 +100,17 @@ _ROPE_BASES = {"135m": 100_000.0, "360m": 100_000.0, "1_7b": 130_000.0}
 
 
 def _sized(size: str) -> Callable[..., TransformerDecoder]:
-    """``lora_smollm2`` with one size's architecture as defaults (a config may still set any of them)."""
-    builder = partial(
+    return sized_builder(
         lora_smollm2,
+        f"lora_smollm2_{size}",
+        f"SmolLM2-{size.replace('_', '.').upper()}: :func:`lora_smollm2` with {SMOLLM2_ARCHS[size]}, "
+        f"rope_base={_ROPE_BASES[size]}, vocab 49152, max_seq_len 8192.",
         vocab_size=49_152,
         max_seq_len=8192,
         norm_eps=1e-5,
-        lora_rank=8,
-        lora_alpha=16,
         rope_base=_ROPE_BASES[size],
         **SMOLLM2_ARCHS[size],
     )
-    builder.__name__ = builder.__qualname__ = f"lora_smollm2_{size}"
-    builder.__module__ = __name__
-    builder.__doc__ = (
-        f"SmolLM2-{size.replace('_', '.').upper()}: :func:`lora_smollm2` with {SMOLLM2_ARCHS[size]}, "
-        f"rope_base={_ROPE_BASES[size]}, vocab 49152, max_seq_len 8192."
-    )
-    return builder
 
 
 lora_smollm2_135m = _sized("135m")
