@@ -1,9 +1,11 @@
-"""Shared test helpers. ``run_distributed`` runs a function on a real multi-process gloo group."""
+"""Shared test helpers. ``run_distributed`` runs a function on a real multi-process gloo group;
+``tiny_trained_state`` gives a tiny QLoRA model as a trained recipe holds it, with the recipe's checkpointer."""
 
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Dict, Tuple
 
 import torch.multiprocessing as mp
 
@@ -64,3 +66,48 @@ def run_distributed(fn: Callable, world_size: int = 2, *args: Any) -> None:
     if failures or any(p.exitcode != 0 for p in procs):
         details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures)
         raise AssertionError(f"distributed run failed (exit codes {[p.exitcode for p in procs]}):\n{details}")
+
+
+#: LoRA on every linear of a tiny model (rank 8; the builders take ``lora_alpha=16`` with it), and the PEFT adapter
+#: config the recipe saves for it.
+TINY_LORA: Dict[str, Any] = dict(
+    lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=8
+)
+TINY_ADAPTER_CONFIG: Dict[str, Any] = dict(
+    target_modules=["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"],
+    rank=8,
+    alpha=16,
+    dropout=0.0,
+    use_dora=False,
+)
+
+
+def tiny_trained_state(
+    base: Path, out: Path, family: str = "llama", **checkpointer_kwargs: Any
+) -> Tuple[Any, Any, Dict]:
+    """A tiny fp32 QLoRA model (``family``: llama or qwen, :data:`TINY_LORA`) loaded from the HF checkpoint in
+    ``base``, its adapters initialised with seed 0 and every ``lora_b`` drawn from N(0, 0.05): trained-looking.
+
+    Returns:
+        Tuple[TransformerDecoder, QLoRAHFCheckpointer, Dict]: the model (on the CPU), the recipe's checkpointer
+        (writing into ``out``; ``checkpointer_kwargs`` go to it) and the model's full state dict (NF4 kept), for
+        ``checkpointer.save(state, step, TINY_ADAPTER_CONFIG, ...)``.
+    """
+    import torch
+
+    from torchtune_ext.checkpoint import QLoRAHFCheckpointer, load_base_
+    from torchtune_ext.distributed import get_full_state_dict
+    from torchtune_ext.models import init_adapters_, qlora_tiny_llama, qlora_tiny_qwen
+
+    builder, model_type = {"llama": (qlora_tiny_llama, "LLAMA3_2"), "qwen": (qlora_tiny_qwen, "QWEN2")}[family]
+    model = builder(**TINY_LORA, lora_alpha=16, dtype=torch.float32, device="meta")
+    checkpointer = QLoRAHFCheckpointer(str(base), str(out), model_type, **checkpointer_kwargs)
+    checkpointer.validate(model)
+    load_base_(model, checkpointer, torch.device("cpu"))
+    torch.manual_seed(0)
+    init_adapters_(model, torch.device("cpu"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_b" in name:
+                param.normal_(0, 0.05)
+    return model, checkpointer, get_full_state_dict(model, keep_nf4=True, cpu_offload=False)

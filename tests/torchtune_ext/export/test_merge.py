@@ -6,59 +6,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_ADAPTER_CONFIG, tiny_trained_state
 from safetensors.torch import load_file
 
-from torchtune_ext.checkpoint import (
-    QLoRAHFCheckpointer,
-    llama3_2_hf_config,
-    load_base_,
-    qwen2_hf_config,
-    write_random_hf_checkpoint,
-)
+from torchtune_ext.checkpoint import llama3_2_hf_config, qwen2_hf_config, write_random_hf_checkpoint
 from torchtune_ext.cli import main
 from torchtune_ext.data import write_tiny_checkpoint
-from torchtune_ext.distributed import get_full_state_dict
 from torchtune_ext.export import merge_adapter
-from torchtune_ext.models import (
-    TINY_LLAMA_ARGS,
-    TINY_QWEN_ARGS,
-    init_adapters_,
-    lora_tiny_llama,
-    lora_tiny_qwen,
-    qlora_tiny_llama,
-    qlora_tiny_qwen,
-)
+from torchtune_ext.models import TINY_LLAMA_ARGS, TINY_QWEN_ARGS, lora_tiny_llama, lora_tiny_qwen
 
 transformers = pytest.importorskip("transformers")
 
-LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=8)
-ADAPTER_CONFIG = dict(
-    target_modules=["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"],
-    rank=8,
-    alpha=16,
-    dropout=0.0,
-    use_dora=False,
-)
-BUILDERS = {"llama": (qlora_tiny_llama, "LLAMA3_2"), "qwen": (qlora_tiny_qwen, "QWEN2")}
 
-
-def _recipe_outputs(tmp: Path, family: str, dtype: torch.dtype = torch.float32):
+def _recipe_outputs(tmp: Path, family: str):
     """What the recipe's checkpointer writes for a trained-looking model: adapter + merged (nf4 and original)."""
     base = write_tiny_checkpoint(tmp / "base", family=family, dtype="fp32", seed=3)
-    builder, model_type = BUILDERS[family]
-    model = builder(**LORA, lora_alpha=16, dtype=dtype, device="meta")
-    checkpointer = QLoRAHFCheckpointer(str(base), str(tmp / "out"), model_type, max_shard_size_mb=1)
-    checkpointer.validate(model)
-    load_base_(model, checkpointer, torch.device("cpu"))
-    torch.manual_seed(0)
-    init_adapters_(model, torch.device("cpu"))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_b" in name:
-                param.normal_(0, 0.05)
-    state = get_full_state_dict(model, keep_nf4=True, cpu_offload=False)
-    nf4 = checkpointer.save(state, 1, ADAPTER_CONFIG, save_merged=True, dtype=torch.float32)
-    original = checkpointer.save(state, 2, ADAPTER_CONFIG, True, torch.float32, merge_base="original")
+    _, checkpointer, state = tiny_trained_state(base, tmp / "out", family, max_shard_size_mb=1)
+    nf4 = checkpointer.save(state, 1, TINY_ADAPTER_CONFIG, save_merged=True, dtype=torch.float32)
+    original = checkpointer.save(state, 2, TINY_ADAPTER_CONFIG, True, torch.float32, merge_base="original")
     return base, nf4, original
 
 

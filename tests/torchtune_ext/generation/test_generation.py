@@ -8,16 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_ADAPTER_CONFIG, TINY_LORA, tiny_trained_state
 from omegaconf import OmegaConf
 
-from torchtune_ext.checkpoint import (
-    QLoRAHFCheckpointer,
-    llama3_2_hf_config,
-    load_base_,
-    write_random_hf_checkpoint,
-)
+from torchtune_ext.checkpoint import llama3_2_hf_config, write_random_hf_checkpoint
 from torchtune_ext.data import write_tiny_checkpoint
-from torchtune_ext.distributed import get_full_state_dict
 from torchtune_ext.export import merge_adapter
 from torchtune_ext.generation import (
     Generator,
@@ -27,39 +22,19 @@ from torchtune_ext.generation import (
     read_prompts,
     sample_next_token,
 )
-from torchtune_ext.models import TINY_LLAMA_ARGS, init_adapters_, lora_tiny_llama, qlora_tiny_llama, qlora_tiny_qwen
+from torchtune_ext.models import TINY_LLAMA_ARGS, lora_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
-LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=8)
-ADAPTER_CONFIG = dict(
-    target_modules=["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"],
-    rank=8,
-    alpha=16,
-    dropout=0.0,
-    use_dora=False,
-)
 NEW_TOKENS = 40
-BUILDERS = {"llama": (qlora_tiny_llama, "LLAMA3_2"), "qwen": (qlora_tiny_qwen, "QWEN2")}
 
 
 def _trained_run(tmp: Path, family: str) -> Path:
     """The folders a run of the recipe leaves (step_1/adapter, step_1/merged with merge_base=nf4) for a tiny model
     with non-zero adapters, written by the recipe's own checkpointer."""
     base = write_tiny_checkpoint(tmp / "base", family=family, dtype="fp32", seed=3)
-    builder, model_type = BUILDERS[family]
-    model = builder(**LORA, lora_alpha=16, dtype=torch.float32, device="meta")
-    checkpointer = QLoRAHFCheckpointer(str(base), str(tmp / "out"), model_type)
-    checkpointer.validate(model)
-    load_base_(model, checkpointer, torch.device("cpu"))
-    torch.manual_seed(0)
-    init_adapters_(model, torch.device("cpu"))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_b" in name:
-                param.normal_(0, 0.05)
-    state = get_full_state_dict(model, keep_nf4=True, cpu_offload=False)
-    return checkpointer.save(state, 1, ADAPTER_CONFIG, save_merged=True, dtype=torch.float32)
+    _, checkpointer, state = tiny_trained_state(base, tmp / "out", family)
+    return checkpointer.save(state, 1, TINY_ADAPTER_CONFIG, save_merged=True, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen"])
@@ -123,7 +98,7 @@ def test_loader_without_a_model_config_builds_the_adapter_s_model(run):
     """From the base's config.json and the adapter's config (tune-ext, PEFT/Unsloth adapters) = from `model:`."""
     family, step, model = run
     builder = {"llama": "qlora_tiny_llama", "qwen": "qlora_tiny_qwen"}[family]
-    cfg = OmegaConf.create({"_component_": f"torchtune_ext.models.{builder}", **LORA, "lora_alpha": 16})
+    cfg = OmegaConf.create({"_component_": f"torchtune_ext.models.{builder}", **TINY_LORA, "lora_alpha": 16})
     from_cfg = load_model_with_adapter(step.parents[1] / "base", step / "adapter", model=cfg, dtype="fp32")
     tokens = torch.tensor([_prompt()])
     torch.testing.assert_close(from_cfg(tokens), model(tokens), rtol=0, atol=0)
@@ -247,7 +222,7 @@ def test_missing_adapter_fails_naming_the_file(llama_run, tmp_path, monkeypatch)
 )
 def test_mismatched_adapter_fails_before_loading(llama_run, monkeypatch, model_override, match):
     calls = _spy_load(monkeypatch)
-    cfg = OmegaConf.create({"_component_": "torchtune_ext.models.qlora_tiny_llama", **LORA, "lora_alpha": 16})
+    cfg = OmegaConf.create({"_component_": "torchtune_ext.models.qlora_tiny_llama", **TINY_LORA, "lora_alpha": 16})
     cfg.update(model_override)
     with pytest.raises(ValueError, match=match) as error:
         load_model_with_adapter(llama_run.parents[1] / "base", llama_run / "adapter", model=cfg)
