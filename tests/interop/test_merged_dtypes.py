@@ -13,22 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from _hf_runner import hf_logits
+from conftest import TINY_ADAPTER_CONFIG, tiny_trained_state
 
-from torchtune_ext.checkpoint import QLoRAHFCheckpointer, load_base_
 from torchtune_ext.data import write_tiny_checkpoint
-from torchtune_ext.distributed import get_full_state_dict
-from torchtune_ext.models import init_adapters_, qlora_tiny_llama
 
 pytestmark = [pytest.mark.integration_test, pytest.mark.stack]
 
-LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=8)
-ADAPTER_CONFIG = dict(
-    target_modules=["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"],
-    rank=8,
-    alpha=16,
-    dropout=0.0,
-    use_dora=False,
-)
 # fp32 logits of ~2.5: both sides compute base + (alpha / rank) * B @ A in another order (see test_hf_peft_interop).
 ATOL, RTOL = 2e-5, 1e-5
 
@@ -47,21 +37,11 @@ def saved(tmp_path_factory):
     the original weights; the HF side's logits and reports."""
     tmp = tmp_path_factory.mktemp("merged_dtypes")
     base = _transformers5_base(tmp / "base")
-    model = qlora_tiny_llama(**LORA, lora_alpha=16, dtype=torch.float32, device="meta")
-    checkpointer = QLoRAHFCheckpointer(str(base), str(tmp / "out"), "LLAMA3_2")
-    checkpointer.validate(model)
-    load_base_(model, checkpointer, torch.device("cpu"))
-    torch.manual_seed(0)
-    init_adapters_(model, torch.device("cpu"))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_b" in name:
-                param.normal_(0, 0.05)
-    state = get_full_state_dict(model, keep_nf4=True, cpu_offload=False)
+    model, checkpointer, state = tiny_trained_state(base, tmp / "out", "llama")
     folders = {}
     for step, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
-        folders[dtype] = checkpointer.save(state, step, ADAPTER_CONFIG, save_merged=True, dtype=dtype) / "merged"
-    original = checkpointer.save(state, 9, ADAPTER_CONFIG, True, torch.float32, merge_base="original")
+        folders[dtype] = checkpointer.save(state, step, TINY_ADAPTER_CONFIG, save_merged=True, dtype=dtype) / "merged"
+    original = checkpointer.save(state, 9, TINY_ADAPTER_CONFIG, True, torch.float32, merge_base="original")
     input_ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     runs = [{"name": str(dtype), "model": str(folder), "dtype": "auto"} for dtype, folder in folders.items()]
     runs += [
