@@ -439,6 +439,11 @@ ONE_LINE_CASES = [
     pytest.param(["output_dir={a_file}/out"], ["/a_file/out' is not writable"], id="output_dir_below_a_file"),
     pytest.param(["merge_base=fp8"], ["merge_base='fp8' is not supported; use merge_base=nf4"], id="merge_base"),
     pytest.param(
+        ["resume_from_checkpoint=True"],
+        ["resume_from_checkpoint=True but {out}/recipe_state/recipe_state.pt does not exist: resume with the same"],
+        id="resume_without_recipe_state",
+    ),
+    pytest.param(
         ["dataset.num_samples=4", "batch_size=4", "gradient_accumulation_steps=2"],
         ["The data set gives 1 batches of batch_size=4, fewer than gradient_accumulation_steps=2: lower either."],
         id="too_few_batches",
@@ -513,8 +518,40 @@ def test_config_errors_print_one_line_each_and_exit_2(inputs, tmp_path, override
     errors = [line for line in output.splitlines() if line.startswith("qlora_finetune_single_device: error: ")]
     assert len(errors) == len(lines), output[-4000:]
     for error, expected in zip(errors, lines):
-        assert expected in error, error
+        assert expected.format(**values) in error, error
     assert not out.exists()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "code"])
+def test_an_unusable_recipe_state_prints_one_line_and_exits_2(inputs, tmp_path, damage):
+    """A resume from a recipe state that cannot be read, or that carries code, with nothing older to fall back to:
+    one line naming the file and the fix, exit 2, nothing written (and the code never runs)."""
+    out = tmp_path / "out"
+    shutil.copytree(inputs["trained"], out)
+    state_file = out / "recipe_state" / "recipe_state.pt"
+    (out / "recipe_state" / "recipe_state.prev.pt").unlink(missing_ok=True)
+    marker = tmp_path / "the_payload_ran"
+    if damage == "code":
+
+        class Payload:
+            def __reduce__(self):
+                return (os.system, (f"touch {marker}",))
+
+        torch.save({**torch.load(state_file, weights_only=True), "payload": Payload()}, state_file)
+    else:
+        _damage(state_file, damage)
+    before = snapshot(out)
+    run = _recipe_run(
+        [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}", "resume_from_checkpoint=True"], REPO
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    errors = [line for line in output.splitlines() if line.startswith("qlora_finetune_single_device: error: ")]
+    expected = "holds Python objects" if damage == "code" else "is not a readable recipe state"
+    assert len(errors) == 1 and f"{state_file} {expected}" in errors[0], output[-4000:]
+    assert snapshot(out) == before
+    assert not marker.exists()
 
 
 def test_a_resume_that_differs_prints_its_lines_and_exits_2(inputs, tmp_path):

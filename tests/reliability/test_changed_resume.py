@@ -24,6 +24,7 @@ import torch
 from reliability_utils import HERE, REPO, SINGLE_CONFIG, SINGLE_RECIPE, TUNE, Run, env, logged, small_run, snapshot
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
+from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE
 from torchtune_ext.data import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.integration_test]
@@ -141,7 +142,7 @@ def test_a_recipe_state_carrying_code_is_refused_and_the_code_never_runs(runs, t
     state = torch.load(out / "recipe_state" / "recipe_state.pt", weights_only=True)
     torch.save({**state, "payload": Payload()}, out / "recipe_state" / "recipe_state.pt")
     rc, output = _start(args, tmp_path / "resume.log")
-    assert rc != 0
+    assert rc == CONFIG_ERROR_EXIT_CODE and "Traceback" not in output, output[-4000:]  # one line, as config errors
     assert "holds Python objects, not only tensors and plain data (it references posix.system)" in output
     assert "nothing in it ran" in output
     assert not marker.exists()

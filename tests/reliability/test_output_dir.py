@@ -25,6 +25,7 @@ from reliability_utils import (
     tune,
 )
 
+from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE
 from torchtune_ext.data import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.integration_test]
@@ -75,3 +76,25 @@ def test_one_run_per_output_dir(tmp_path):
     check_ok(_start(out, base, "D", ["resume_from_checkpoint=True"]))
     assert sorted(logged(out / "logs" / "D")) == [3, 4]
     assert (out / f"step_{STEPS}" / "adapter").is_dir()
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_two_runs_started_together(tmp_path, trial):
+    """Two runs started at the same moment into one fresh folder (the issue saw their step folders mixed, and a
+    crash on a rename): one trains to the end, the other is refused with one line (exit 2) and writes nothing."""
+    base = write_tiny_checkpoint(tmp_path / "base", family="llama", dtype="fp32", seed=0)
+    out = tmp_path / "out"
+    runs = {name: _start(out, base, name, ["save_every_n_steps=1"]) for name in ("A", "B")}
+    codes = {name: run.wait() for name, run in runs.items()}
+    assert sorted(codes.values()) == [0, CONFIG_ERROR_EXIT_CODE], {n: r.output[-3000:] for n, r in runs.items()}
+    winner, loser = sorted(runs, key=lambda name: codes[name])
+    refusal = runs[loser].output
+    assert "Traceback" not in refusal, refusal[-3000:]
+    # the loser looked while the winner held the lock, or (on a busy machine) after it had saved
+    assert f"is in use by another run (pid {runs[winner].proc.pid} on " in refusal or (
+        "holds another run's checkpoints" in refusal
+    ), refusal[-3000:]
+    assert not (out / "logs" / loser).exists()
+    assert sorted(logged(out / "logs" / winner)) == list(range(1, STEPS + 1))
+    assert sorted(p.name for p in out.glob("step_*")) == [f"step_{STEPS - 1}", f"step_{STEPS}"]  # keep_last_n 2
+    assert_no_leftovers(list(runs.values()))

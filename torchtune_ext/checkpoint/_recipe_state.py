@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
 from torchtune_ext.checkpoint._atomic import atomic_save
-from torchtune_ext.config import ConfigError
+from torchtune_ext.config import ConfigError, ConfigFileNotFoundError
 
 log = utils.get_logger("INFO")
 
@@ -64,10 +64,12 @@ NOT_COMPARED = ("resume_from_checkpoint", "dtype", "adapter_dtype", "frozen_dtyp
 #: Bytes of the data region of each base checkpoint file that its identity hashes, at evenly spaced offsets.
 BASE_SAMPLE_BYTES, BASE_SAMPLES = 4096, 16
 _UNSET = "(unset)"
+#: the config key a bad recipe state file is reported under.
+KEY = "checkpointer.recipe_checkpoint"
 _REQUIRED = ("format", "global_step", "epochs_run", "identity", "settings", "position", "adapter", "optimizer")
 
 
-class UnsafeRecipeStateError(ValueError):
+class UnsafeRecipeStateError(ConfigError):
     """A recipe state file holds Python objects other than tensors and plain data; it was not loaded."""
 
 
@@ -324,18 +326,19 @@ class RecipeState:
     def from_dict(cls, state: Any, source: Optional[Path] = None) -> RecipeState:
         """
         Raises:
-            ValueError: if ``state`` is not a recipe state of this format.
+            ConfigError: if ``state`` is not a recipe state of this format.
         """
         where = source or "the recipe state"
         if not isinstance(state, dict) or state.get("format") != RECIPE_STATE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(
+            raise ConfigError(
                 f"{where} is not a readable recipe state (format {found}, expected {RECIPE_STATE_FORMAT}: written by "
-                "another version of torchtune_ext?)."
+                "another version of torchtune_ext?).",
+                KEY,
             )
         missing = [k for k in _REQUIRED if k not in state]
         if missing:
-            raise ValueError(f"{where} is not a readable recipe state (it lacks {missing}).")
+            raise ConfigError(f"{where} is not a readable recipe state (it lacks {missing}).", KEY)
         names = {f.name for f in dataclasses.fields(cls)} - {"source"}
         values = {k: v for k, v in state.items() if k in names}
         values["position"] = DataPosition(**state["position"])
@@ -359,16 +362,17 @@ class RecipeState:
         """Loads ``path`` with ``torch.load(weights_only=True)``; if it cannot be read, the previous one, saying so.
 
         Raises:
-            FileNotFoundError: if neither exists.
+            ConfigFileNotFoundError: if neither exists.
             UnsafeRecipeStateError: if the file holds anything but tensors and plain data (nothing of it runs).
-            ValueError: if neither is a readable recipe state.
+            ConfigError: if neither is a readable recipe state.
         """
         path = Path(path)
         previous = previous_path(path)
         if not path.is_file() and not previous.is_file():
-            raise FileNotFoundError(
+            raise ConfigFileNotFoundError(
                 f"resume_from_checkpoint=True but {path} does not exist: resume with the same output_dir as the "
-                "interrupted run, or set checkpointer.recipe_checkpoint to its recipe_state.pt."
+                "interrupted run, or set checkpointer.recipe_checkpoint to its recipe_state.pt.",
+                "resume_from_checkpoint",
             )
         try:
             return cls._read(path)
@@ -380,7 +384,7 @@ class RecipeState:
             try:
                 state = cls._read(previous)
             except (OSError, ValueError) as previous_err:
-                raise ValueError(f"{err} The previous one is not readable either: {previous_err}") from err
+                raise ConfigError(f"{err} The previous one is not readable either: {previous_err}", KEY) from err
             utils.log_rank_zero(
                 log,
                 f"{err} Resuming from the previous recipe state instead: {previous} (step {state.global_step}); "
@@ -398,20 +402,24 @@ class RecipeState:
             # A reference to any class or function (a callable to call on load) is refused; other errors are damage.
             found = re.search(r"GLOBAL ([\w.]+)", str(err))
             if found is None:
-                raise ValueError(
+                raise ConfigError(
                     f"{path} is not a readable recipe state ({_unpickling_reason(err)}). Delete it "
-                    "to start over, or set checkpointer.recipe_checkpoint to another recipe_state.pt."
+                    "to start over, or set checkpointer.recipe_checkpoint to another recipe_state.pt.",
+                    KEY,
                 ) from None
             raise UnsafeRecipeStateError(
                 f"{path} holds Python objects, not only tensors and plain data (it references {found.group(1)})"
                 + "; it was not loaded and nothing in it ran. A recipe state of this version never does: it was "
                 "written by an older torchtune_ext or altered. Delete it to start over, or set "
-                "checkpointer.recipe_checkpoint to a recipe state you trust."
+                "checkpointer.recipe_checkpoint to a recipe state you trust.",
+                KEY,
             ) from None
         except Exception as err:
-            raise ValueError(
-                f"{path} is not a readable recipe state ({type(err).__name__}: {str(err)[:200]}). Delete it to "
-                "start over, or set checkpointer.recipe_checkpoint to another recipe_state.pt."
+            reason = str(err).splitlines()[0].split(". ")[0][:200] if str(err) else ""  # torch's advice follows
+            raise ConfigError(
+                f"{path} is not a readable recipe state ({type(err).__name__}: {reason}). Delete it to "
+                "start over, or set checkpointer.recipe_checkpoint to another recipe_state.pt.",
+                KEY,
             ) from err
         return cls.from_dict(raw, source=path)
 
