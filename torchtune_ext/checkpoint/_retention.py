@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torchtune.modules.peft import get_adapter_params
 
+from torchtune_ext.checkpoint._writes import free_bytes
 from torchtune_ext.config import ConfigError
 
 PathLike = Union[str, Path]
@@ -166,14 +167,6 @@ class DiskPlan:
 
 def _numel_bytes(tensors: List[torch.Tensor], dtype: Optional[torch.dtype] = None) -> int:
     return sum(t.numel() * (dtype or t.dtype).itemsize for t in tensors)
-
-
-def free_bytes(folder: PathLike) -> int:
-    """Free disk space where ``folder`` is or would be created (its nearest existing ancestor)."""
-    ancestor = Path(folder).absolute()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    return shutil.disk_usage(ancestor).free
 
 
 def plan_disk(
