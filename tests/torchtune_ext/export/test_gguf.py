@@ -3,6 +3,7 @@ loaded by llama.cpp itself (``llama-cpp-python``), whose greedy tokens must equa
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +199,21 @@ def test_bad_input_fails_before_writing(models, tmp_path):
     assert list(tmp_path.glob("*.gguf*")) == [] and list(tmp_path.glob(".m.gguf*")) == []
     export_gguf(no_tokenizer, out, tokenizer_dir=TINY_TOKENIZER_PATH)  # --tokenizer <a .model file of any name>
     assert out.is_file()
+
+
+@pytest.mark.parametrize("type_", ["q4_k_m", "q6_k", "q4_0"])
+def test_llama_cpp_types_without_llama_cpp_fail_before_writing(models, tmp_path, monkeypatch, type_):
+    """The types llama.cpp's quantizer makes name the fix when ``llama_cpp`` is not importable, and leave no file."""
+    from torchtune_ext.cli import main
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
+    out = tmp_path / "out" / "m.gguf"
+    fix = rf"--type {type_} is made by llama.cpp's quantizer.*pip install llama-cpp-python.*make llama-cpp"
+    with pytest.raises(ImportError, match=fix):
+        export_gguf(models["llama"], out, type_)
+    with pytest.raises(SystemExit, match=fix):
+        main(["export", "gguf", "--model", str(models["llama"]), "--output", str(out), "--type", type_])
+    assert list(tmp_path.iterdir()) == []  # not even the output folder
 
 
 def _hf_model(folder: Path):
