@@ -1,5 +1,6 @@
 """GGUF export: the file read back with the ``gguf`` package (names, shapes, types, values, tokenizer metadata), and
-loaded by llama.cpp itself (``llama-cpp-python``), whose greedy tokens must equal transformers' on the merged folder."""
+loaded by llama.cpp itself (``llama-cpp-python``), whose greedy tokens must equal transformers' on the merged folder;
+the types made by llama.cpp's quantizer (k-quants, q4_0, q5_0) checked the same way, and refused without it."""
 
 import json
 import shutil
