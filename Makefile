@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test clean llama-cpp
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
 	$(VENV)/bin/tune run recipes/generate.py --config configs/tiny/generation.yaml
+
+# llama.cpp for `tune-ext export gguf --type q4_k_m|q5_k_m|q6_k|q4_0|q5_0` (its quantizer) and the GGUF tests that
+# run the file: llama-cpp-python builds llama.cpp from source (~15 min on 2 cores); pip caches the built wheel, so
+# running it again (or in a new venv) takes seconds.
+llama-cpp: $(STAMP)
+	CMAKE_ARGS="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+		$(PY) -m pip install 'llama-cpp-python>=0.3'
 
 # The same install as .ci/run, which `make test` runs (CI runs it too).
 test:

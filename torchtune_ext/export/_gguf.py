@@ -6,11 +6,14 @@ The tensor-name map, the metadata keys and the tokenizer handling follow llama.c
 to llama.cpp's interleaved RoPE, a ``llama3`` RoPE scaling is written as the ``rope_freqs`` tensor, 1-D tensors stay
 F32, and a ``q8_0`` export falls back to F16 for a matrix whose rows are not a multiple of 32. The file is streamed
 one tensor at a time (host RAM: a few fp32 copies of the largest tensor) into a temporary sibling that replaces
-``output`` only when complete.
+``output`` only when complete. The other types (k-quants, q4_0, q5_0) are llama.cpp's quantizer's (through
+``llama-cpp-python``, as ``llama-quantize`` does): the f16 file is written to a second temporary sibling and
+quantized with llama.cpp's own per-tensor rules.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -24,8 +27,18 @@ import torch
 
 PathLike = Union[str, Path]
 
-#: ``--type`` -> (llama.cpp file type name, GGML type of the matrices).
-GGUF_TYPES: Dict[str, Tuple[str, str]] = {"f16": ("MOSTLY_F16", "F16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0")}
+#: ``--type`` -> llama.cpp's file type (the ``gguf.LlamaFileType`` / ``llama_cpp.LLAMA_FTYPE_*`` name).
+GGUF_TYPES: Dict[str, str] = {
+    "f16": "MOSTLY_F16",
+    "q8_0": "MOSTLY_Q8_0",
+    "q4_0": "MOSTLY_Q4_0",
+    "q5_0": "MOSTLY_Q5_0",
+    "q4_k_m": "MOSTLY_Q4_K_M",
+    "q5_k_m": "MOSTLY_Q5_K_M",
+    "q6_k": "MOSTLY_Q6_K",
+}
+#: the types the ``gguf`` package writes -> GGML type of the matrices; llama.cpp's quantizer makes the others.
+_WRITTEN_TYPES: Dict[str, str] = {"f16": "F16", "q8_0": "Q8_0"}
 
 
 @dataclass(frozen=True)
@@ -152,7 +165,7 @@ def _plan_tensors(model_dir: Path, config: Dict[str, Any], family: _Family, type
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     name_map = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     n_head, n_kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    matrix_type = getattr(gguf.GGMLQuantizationType, GGUF_TYPES[type_][1])
+    matrix_type = getattr(gguf.GGMLQuantizationType, _WRITTEN_TYPES[type_])
     plan = []
     for path in _safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
@@ -222,7 +235,7 @@ def _add_hparams(writer, config: Dict[str, Any], family: _Family, type_: str, na
     if family.permute_qk:
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(head_dim)
-    writer.add_file_type(getattr(gguf.LlamaFileType, GGUF_TYPES[type_][0]))
+    writer.add_file_type(getattr(gguf.LlamaFileType, GGUF_TYPES[type_]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
@@ -312,6 +325,27 @@ def _check_vocab(folder: Path, n_tokens: int, n_vocab: int) -> None:
         )
 
 
+def _llama_cpp_quantizer(type_: str) -> Callable[[Path, Path], None]:
+    """llama.cpp's quantizer (``llama_model_quantize``, what ``llama-quantize`` runs) for ``type_``."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ImportError(
+            f"--type {type_} is made by llama.cpp's quantizer, which needs llama-cpp-python: pip install "
+            "llama-cpp-python (builds llama.cpp from source) or `make llama-cpp`; f16 and q8_0 need only gguf."
+        ) from e
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{GGUF_TYPES[type_]}")
+
+    def quantize(source: Path, target: Path) -> None:
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp's quantizer failed to write {type_} from {source} (its log is above).")
+
+    return quantize
+
+
 def export_gguf(
     model_dir: PathLike,
     output: PathLike,
@@ -321,13 +355,16 @@ def export_gguf(
 ) -> Path:
     """Writes a merged HF folder (Llama or Qwen 2 family) as one GGUF file for llama.cpp / Ollama.
 
-    Everything is checked (config, tokenizer, every tensor's name) before the file is opened; the file is written
-    to a temporary sibling and renamed to ``output`` when complete.
+    Everything is checked (type, config, tokenizer, every tensor's name, llama.cpp's quantizer where the type needs
+    it) before the file is opened; the file is written to a temporary sibling and renamed to ``output`` when
+    complete.
 
     Args:
         model_dir (PathLike): the merged HF folder (``config.json`` + safetensors, sharded or not).
         output (PathLike): the ``.gguf`` file to write (replaced if it exists).
-        type (str): "f16" or "q8_0" for the matrices (vectors and norms stay F32).
+        type (str): one of :data:`GGUF_TYPES`: "f16" or "q8_0" for the matrices, written by ``gguf`` (vectors and
+            norms stay F32); "q4_0", "q5_0", "q4_k_m", "q5_k_m" or "q6_k": the f16 file quantized by llama.cpp's
+            quantizer (needs ``llama-cpp-python``; its per-tensor rules and fallbacks).
         tokenizer_dir (Optional[PathLike]): a SentencePiece ``.model`` file, a ``tokenizer.json``, or a folder with
             ``tokenizer.model`` or ``tokenizer.json`` (its ``tokenizer_config.json`` gives special tokens and the
             chat template); None: ``model_dir``.
@@ -340,37 +377,63 @@ def export_gguf(
         ValueError: on an unknown ``type``, an unsupported architecture, an unmapped tensor or a tokenizer larger
             than the model's vocabulary.
         FileNotFoundError: on a missing config, checkpoint or tokenizer.
+        ImportError: on a type made by llama.cpp's quantizer when ``llama_cpp`` is not installed.
     """
     if type not in GGUF_TYPES:
         raise ValueError(f"--type {type!r} is not supported; use one of {', '.join(GGUF_TYPES)}.")
-    gguf = _gguf()
+    _gguf()
+    quantize = None if type in _WRITTEN_TYPES else _llama_cpp_quantizer(type)
+    written_type = "f16" if quantize else type
     model_dir, output = Path(model_dir), Path(output)
     config, family = _read_config(model_dir)
     tokenizer_kind, tokenizer_path = _find_tokenizer(Path(tokenizer_dir) if tokenizer_dir else model_dir)
-    plan = _plan_tensors(model_dir, config, family, type)
+    plan = _plan_tensors(model_dir, config, family, written_type)
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = _temp_sibling(output)
+    f16 = _temp_sibling(output) if quantize else tmp
     try:
-        writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)])
-        _add_hparams(writer, config, family, type, model_dir.name)
-        if tokenizer_kind == "spm":
-            _add_spm_vocab(writer, tokenizer_path, config["vocab_size"])
-        else:
-            _add_bpe_vocab(writer, tokenizer_path, config["vocab_size"], family.bpe_pre)
-        for t in plan:
-            writer.add_tensor_info(t.name, t.shape, np.float32, _nbytes(gguf, t.shape, t.qtype), raw_dtype=t.qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t in _each(plan, progress):
-            writer.write_tensor_data(_encode(gguf, t.load(), t.qtype))
-        writer.close()
+        _write(f16, plan, config, family, written_type, model_dir.name, tokenizer_kind, tokenizer_path, progress)
+        if quantize:
+            quantize(f16, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)
+        f16.unlink(missing_ok=True)
     return output
+
+
+def _temp_sibling(output: Path) -> Path:
+    return output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
+
+
+def _write(
+    path: Path,
+    plan: List[_Tensor],
+    config: Dict[str, Any],
+    family: _Family,
+    type_: str,
+    name: str,
+    tokenizer_kind: str,
+    tokenizer_path: Path,
+    progress: Optional[Callable[[str], None]],
+) -> None:
+    gguf = _gguf()
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)])
+    _add_hparams(writer, config, family, type_, name)
+    if tokenizer_kind == "spm":
+        _add_spm_vocab(writer, tokenizer_path, config["vocab_size"])
+    else:
+        _add_bpe_vocab(writer, tokenizer_path, config["vocab_size"], family.bpe_pre)
+    for t in plan:
+        writer.add_tensor_info(t.name, t.shape, np.float32, _nbytes(gguf, t.shape, t.qtype), raw_dtype=t.qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in _each(plan, progress):
+        writer.write_tensor_data(_encode(gguf, t.load(), t.qtype))
+    writer.close()
 
 
 def _each(plan: List[_Tensor], progress: Optional[Callable[[str], None]]) -> Iterator[_Tensor]:

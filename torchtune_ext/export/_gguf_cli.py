@@ -8,7 +8,7 @@ from torchtune_ext.export._gguf import GGUF_TYPES, export_gguf
 
 
 def add_export_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    """Adds ``export gguf --model <merged HF dir> --output model.gguf --type f16|q8_0 [--tokenizer <dir>]``.
+    """Adds ``export gguf --model <merged HF dir> --output model.gguf --type f16|q8_0|q4_k_m|... [--tokenizer <dir>]``.
 
     Args:
         subparsers (argparse._SubParsersAction): ``tune-ext``'s subcommands.
@@ -20,7 +20,8 @@ def add_export_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "gguf",
         help="One .gguf file (Llama and Qwen 2 families), tokenizer included.",
         description="Writes a merged HF folder as a GGUF file with llama.cpp's `gguf` package "
-        "(pip install 'torchtune_ext[gguf]'). Vectors and norms stay F32.",
+        "(pip install 'torchtune_ext[gguf]'). Vectors and norms stay F32. q4_0, q5_0 and the k-quants are the f16 "
+        "file quantized by llama.cpp's quantizer (pip install llama-cpp-python, or make llama-cpp).",
     )
     gguf.add_argument("--model", required=True, help="the merged HF folder (config.json + *.safetensors)")
     gguf.add_argument("--output", required=True, help="the .gguf file to write")
