@@ -110,8 +110,9 @@ def read_peft_adapter(folder: PathLike) -> PeftAdapter:
 
     Raises:
         FileNotFoundError: naming the missing folder or file.
-        ValueError: naming the file and the unsupported setting (not LoRA, rsLoRA, per-module ranks, biases,
-            ``modules_to_save``, regex ``target_modules``) or a truncated file.
+        ValueError: naming the file and the unsupported setting (not LoRA, rsLoRA, per-module ranks other than on
+            Phi's fused modules at the others' scale, biases, ``modules_to_save``, regex ``target_modules``) or a
+            truncated file.
     """
     folder = Path(folder)
     config_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
