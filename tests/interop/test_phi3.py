@@ -38,11 +38,12 @@ import torch
 from _hf_runner import hf_logits
 from _tiny_recipe import run_recipe, tiny_training_args
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_hf_peft_interop import _ours
 from torchtune.models.phi3 import lora_phi3
 
-from torchtune_ext.checkpoint import HFConverter, QLoRAHFCheckpointer, read_hf_config, read_peft_adapter
+from torchtune_ext.checkpoint import HFConverter, QLoRAHFCheckpointer, read_hf_config
+from torchtune_ext.generation import load_model_with_adapter
 from torchtune_ext.models import lora_phi, qlora_phi3_5_mini, torchtune_builder_for
 
 pytestmark = [pytest.mark.integration_test, pytest.mark.stack]
@@ -279,17 +280,17 @@ def trained(bases, workdir):
         {"name": "peft", "model": str(dequantized), "adapter": str(step / "adapter")},
     ]
     hf, report = hf_logits(input_ids, runs, workdir / "hf_trained")
-    return ours, untrained, hf, report, step
+    return ours, untrained, hf, report, step, cfg, dequantized
 
 
 def test_nf4_logits_equal_transformers_on_the_dequantized_weights(trained):
-    _, untrained, hf, report, _ = trained
+    _, untrained, hf, report, *_ = trained
     assert report["dequantized"]["class"] == "Phi3ForCausalLM" and not report["dequantized"]["tied"]
     torch.testing.assert_close(untrained, hf["dequantized"], atol=ATOL, rtol=RTOL)
 
 
 def test_merged_model_and_fused_adapter_in_transformers_and_peft_give_the_recipe_logits(trained):
-    ours, untrained, hf, report, step = trained
+    ours, untrained, hf, report, step, *_ = trained
     assert (ours - untrained).abs().max() > 1000 * ATOL  # the adapter trained: a dropped one would fail
     assert report["merged"]["class"] == "Phi3ForCausalLM"
     torch.testing.assert_close(hf["merged"], ours, atol=ATOL, rtol=RTOL)
@@ -304,9 +305,54 @@ def test_merged_model_and_fused_adapter_in_transformers_and_peft_give_the_recipe
         "base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"
     ]
     assert b.shape == (3 * 384, 32) and not b[384:768].any() and b[:384, :16].any() and not b[:384, 16:].any()
-    # It does not load back into separate q/k/v LoRAs (generation, tune-ext merge): the error names the merged model.
-    with pytest.raises(ValueError, match=r"Phi adapter on the fused qkv_proj.*step_<N>/merged"):
-        read_peft_adapter(step / "adapter")
+
+
+def test_fused_adapter_loads_back_with_the_training_model_section(trained, bases):
+    """Generation / eval's ``adapter_dir``: the base streamed into NF4 plus the fused adapter split back into the
+    q/v and w1/w3 LoRAs gives the recipe model's logits (and peft's), greedy tokens included."""
+    ours, _, hf, _, step, cfg, _ = trained
+    base, adapter = bases["phi3_5_mini"], step / "adapter"
+    input_ids = _input_ids(PHI3_5_MINI["vocab_size"])
+    loaded = load_model_with_adapter(base, adapter, model=cfg.model, dtype="fp32")
+    with torch.no_grad():
+        logits = loaded(input_ids)
+    torch.testing.assert_close(logits, ours, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits, hf["peft"], atol=ATOL, rtol=RTOL)
+    assert torch.equal(logits.argmax(-1), ours.argmax(-1))
+    # Which two of q/k/v trained (rank 2r on qkv_proj) only the training config says: without it, a clear error.
+    with pytest.raises(ValueError, match=r"qkv_proj has rank 2 x r: 2 of \['q_proj', 'k_proj', 'v_proj'\].*model"):
+        load_model_with_adapter(base, adapter, dtype="fp32")
+    # Other LoRA modules than the training run's: v_proj's trained rows have no LoRA to go to.
+    other = OmegaConf.merge(cfg.model, {"lora_attn_modules": ["q_proj", "k_proj", "output_proj"]})
+    with pytest.raises(ValueError, match=r"qkv_proj.lora_B.weight' has nonzero rows for \['v_proj'\]"):
+        load_model_with_adapter(base, adapter, model=other, dtype="fp32")
+
+
+def test_a_peft_lora_shared_by_the_fused_members_loads_without_a_model_section(trained, bases, workdir):
+    """PEFT's own adapter on Phi3ForCausalLM (rank r on qkv_proj / gate_up_proj: one lora_A the members share), with
+    random weights: built from its adapter_config.json alone, our NF4 model gives peft's logits on the same base."""
+    _, _, _, _, _, _, dequantized = trained
+    folder, r = workdir / "peft_shared", 8
+    folder.mkdir()
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=r, lora_alpha=16, lora_dropout=0.0, bias="none")
+    config["target_modules"] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    shapes = {"self_attn.qkv_proj": (3 * 384, 384), "self_attn.o_proj": (384, 384)}
+    shapes.update({"mlp.gate_up_proj": (2 * 1024, 384), "mlp.down_proj": (384, 1024)})
+    generator = torch.Generator().manual_seed(2)
+    tensors = {}
+    for layer in range(NUM_LAYERS):
+        for module, (rows, cols) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, cols, generator=generator) / cols**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(rows, r, generator=generator) * 0.02
+    save_file(tensors, folder / "adapter_model.safetensors")
+    input_ids = _input_ids(PHI3_5_MINI["vocab_size"])
+    hf, _ = hf_logits(input_ids, [{"name": "peft", "model": str(dequantized), "adapter": str(folder)}], folder / "hf")
+    loaded = load_model_with_adapter(bases["phi3_5_mini"], folder, dtype="fp32")
+    with torch.no_grad():
+        logits = loaded(input_ids)
+    torch.testing.assert_close(logits, hf["peft"], atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
@@ -351,6 +397,10 @@ def test_phi4_mini_nf4_merged_and_fused_adapter_in_transformers_and_peft(use_dor
     torch.testing.assert_close(untrained, hf["dequantized"], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(hf["merged"], ours, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(hf["peft"], ours, atol=ATOL, rtol=RTOL)
+    # Every member adapted (rank 3r / 2r): the adapter loads back from its adapter_config.json alone.
+    loaded = load_model_with_adapter(base, step / "adapter", dtype="fp32")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids), ours, atol=ATOL, rtol=RTOL)
 
 
 def test_dora_on_part_of_a_fused_module_is_refused_before_loading(bases, workdir):

@@ -168,6 +168,7 @@ SHIPPED = {
     "qwen3/14B",
     "gemma2/2B",
     "gemma2/9B",
+    "gemma2/27B",
     "phi3/mini",
     "llama3_3/70B",
 }

@@ -15,13 +15,16 @@ from torchtune.models.convert_weights import _TO_PEFT_TARGET_MODULES
 from torchtune.modules.peft import get_adapter_params
 
 from torchtune_ext.checkpoint import _safetensors
-from torchtune_ext.checkpoint._hf import HFConverter
+from torchtune_ext.checkpoint._hf import HFConverter, peft_adapter_config
+from torchtune_ext.checkpoint._phi3 import FUSED
 
 PathLike = Union[str, Path]
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: PEFT module name -> torchtune module name.
 PEFT_TO_TUNE_MODULES = {peft: tune for tune, peft in _TO_PEFT_TARGET_MODULES.items()}
+#: PEFT module name -> the torchtune modules it holds (Phi's fused ``qkv_proj`` / ``gate_up_proj``: several).
+_TUNE_MODULES = {**{peft: (tune,) for peft, tune in PEFT_TO_TUNE_MODULES.items()}, **FUSED}
 _MLP = ("w1", "w2", "w3")
 _ATTN = ("q_proj", "k_proj", "v_proj", "output_proj")
 #: PEFT trainable-tokens tensor key -> (module name in ``trainable_token_indices``, torchtune weight key).
@@ -55,15 +58,29 @@ class PeftAdapter:
 
     @property
     def target_modules(self) -> Tuple[str, ...]:
-        """Tuple[str, ...]: the adapted modules, torchtune names, sorted."""
-        return tuple(sorted(PEFT_TO_TUNE_MODULES[m] for m in self.config["target_modules"]))
+        """Tuple[str, ...]: the torchtune modules the adapted ones hold (every member of a fused one), sorted."""
+        return tuple(sorted(m for peft in self.config["target_modules"] for m in _TUNE_MODULES[peft]))
 
     def lora_settings(self) -> Dict[str, Any]:
         """
         Returns:
             Dict[str, Any]: the QLoRA builder arguments that make a model this adapter fits (``lora_attn_modules``,
-            ``apply_lora_to_mlp``, ``apply_lora_to_output``, ``lora_rank``, ``lora_alpha``, ``use_dora``).
+            ``apply_lora_to_mlp``, ``apply_lora_to_output``, ``lora_rank``, ``lora_alpha``, ``use_dora``); a
+            fused module (Phi's) adapts all its members.
+
+        Raises:
+            ValueError: on a fused module whose rank says some but not all of its members trained (which ones only
+                the training config says).
         """
+        rank = int(self.config["r"])
+        for fused in sorted(set(FUSED) & set(self.config["target_modules"])):
+            count = int((self.config.get("rank_pattern") or {}).get(fused, rank)) // rank
+            if count not in (1, len(FUSED[fused])):
+                raise ValueError(
+                    f"{self.folder / ADAPTER_CONFIG}: {fused} has rank {count} x r: {count} of {list(FUSED[fused])} "
+                    "trained, and which ones only the training config says; pass its model section (generation / "
+                    "eval configs: model:, load_model_with_adapter: model=)."
+                )
         modules = set(self.target_modules)
         return dict(
             lora_attn_modules=[m for m in _ATTN if m in modules],
@@ -93,8 +110,9 @@ def read_peft_adapter(folder: PathLike) -> PeftAdapter:
 
     Raises:
         FileNotFoundError: naming the missing folder or file.
-        ValueError: naming the file and the unsupported setting (not LoRA, rsLoRA, per-module ranks, biases,
-            ``modules_to_save``, regex ``target_modules``) or a truncated file.
+        ValueError: naming the file and the unsupported setting (not LoRA, rsLoRA, per-module ranks other than on
+            Phi's fused modules at the others' scale, biases, ``modules_to_save``, regex ``target_modules``) or a
+            truncated file.
     """
     folder = Path(folder)
     config_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
@@ -122,25 +140,37 @@ def _check_supported(config: Dict[str, Any], path: Path) -> None:
     if not isinstance(targets, list):
         problems.append(f"target_modules={targets!r} (a list of module names is needed)")
     else:
-        unknown = sorted(set(targets) - set(PEFT_TO_TUNE_MODULES))
+        unknown = sorted(set(targets) - set(_TUNE_MODULES))
         if unknown:
-            problems.append(f"target_modules {unknown} (supported: {sorted(PEFT_TO_TUNE_MODULES)})")
-        mlp = {PEFT_TO_TUNE_MODULES[m] for m in targets if m in PEFT_TO_TUNE_MODULES} & set(_MLP)
+            problems.append(f"target_modules {unknown} (supported: {sorted(_TUNE_MODULES)})")
+        mlp = {tune for m in targets for tune in _TUNE_MODULES.get(m, ())} & set(_MLP)
         if mlp and mlp != set(_MLP):
             problems.append("LoRA on part of the MLP (torchtune adapts gate_proj, up_proj and down_proj together)")
     for key, supported in (("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none"), ("lora_bias", False)):
         if config.get(key, supported) != supported:
             problems.append(f"{key}={config[key]!r}")
-    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+    for key in ("modules_to_save", "layers_to_transform"):
         if config.get(key):
             problems.append(f"{key}={config[key]!r}")
-    if isinstance(targets, list) and {"qkv_proj", "gate_up_proj"} & set(targets):  # [issue 20] see docs/phi.md
-        problems.append(
-            "a Phi adapter on the fused qkv_proj / gate_up_proj does not split back into separate LoRAs: use the "
-            "training run's merged model (<output_dir>/step_<N>/merged) as the base instead"
-        )
+    problems += _pattern_problems(config)
     if problems:
         raise ValueError(f"{path}: this adapter uses settings the loader does not support: " + "; ".join(problems))
+
+
+def _pattern_problems(config: Dict[str, Any]) -> List[str]:
+    """Per-module ranks are supported on Phi's fused modules with the scale ``alpha / r`` of the others (our
+    export's ``n * r`` / ``n * alpha``)."""
+    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    others = sorted((set(ranks) | set(alphas)) - set(FUSED))
+    if others:
+        return [f"rank_pattern / alpha_pattern on {others} (supported on a fused qkv_proj / gate_up_proj only)"]
+    r, alpha = config.get("r", 8), config.get("lora_alpha", 8)
+    return [
+        f"{fused}: rank_pattern {ranks.get(fused, r)} with alpha_pattern {alphas.get(fused, alpha)} (its scale "
+        f"alpha / r must be lora_alpha / r = {alpha} / {r})"
+        for fused in sorted(set(ranks) | set(alphas))
+        if float(alphas.get(fused, alpha)) * r != float(alpha) * ranks.get(fused, r)
+    ]
 
 
 def check_adapter_fits(adapter: PeftAdapter, model: nn.Module, converter: HFConverter) -> None:
@@ -160,7 +190,10 @@ def check_adapter_fits(adapter: PeftAdapter, model: nn.Module, converter: HFConv
     rank = next((v[0] for k, v in expected.items() if k.endswith("lora_a.weight")), None)
     lora = next((m for m in model.modules() if hasattr(m, "lora_a")), None)
     problems = []
-    if adapter.target_modules != model_targets:
+    exported = converter.peft_config(
+        peft_adapter_config(list(model_targets), rank or 8, 1.0, 0.0, False, ""), list(model_targets), rank or 8, 1.0
+    )  # the target modules our export writes for this model
+    if sorted(adapter.config["target_modules"]) != sorted(exported["target_modules"]):
         problems.append(f"target modules {list(adapter.target_modules)} but the model adapts {list(model_targets)}")
     if rank is not None and int(adapter.config["r"]) != rank:
         problems.append(f"rank r={adapter.config['r']} but the model has lora_rank={rank}")
@@ -188,11 +221,11 @@ def _shape_problems(adapter: PeftAdapter, expected: Dict[str, Tuple[int, ...]], 
         if peft_key in TRAINABLE_TOKEN_TENSORS:
             continue
         try:
-            key, meta = converter.from_peft(peft_key, torch.empty(info["shape"], device="meta"))
+            converted = converter.from_peft_all(peft_key, torch.empty(info["shape"], device="meta"))
         except ValueError as err:
             problems.append(f"{ADAPTER_WEIGHTS}: {err}")
             continue
-        found[key] = tuple(meta.shape)
+        found.update((key, tuple(meta.shape)) for key, meta in converted)
     for key in sorted(set(found) | set(expected)):
         if key not in expected:
             problems.append(f"{ADAPTER_WEIGHTS} has {key} {found[key]}, which the model does not have")
@@ -227,6 +260,6 @@ def read_adapter_state(
             name, tune_key = TRAINABLE_TOKEN_TENSORS[peft_key]
             tokens[tune_key] = (indices[name], tensor)
             continue
-        key, value = converter.from_peft(peft_key, tensor)
-        state[key] = value.to(dtype)
+        for key, value in converter.from_peft_all(peft_key, tensor):
+            state[key] = value.to(dtype)
     return state, tokens

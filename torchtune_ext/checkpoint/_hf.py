@@ -289,6 +289,22 @@ class HFConverter:
             value = value if tune_suffix == ".lora_b.weight" else value.squeeze(-1)
         return base_key[: -len(".weight")] + tune_suffix, value
 
+    def from_peft_all(self, peft_key: str, tensor: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+        """All torchtune adapter tensors one PEFT tensor holds (several where HF fuses modules, e.g. Phi-3's
+        ``qkv_proj``; one here: :meth:`from_peft`).
+
+        Args:
+            peft_key (str): PEFT key.
+            tensor (torch.Tensor): the adapter tensor (meta: shapes only).
+
+        Returns:
+            List[Tuple[str, torch.Tensor]]: torchtune keys and tensors.
+
+        Raises:
+            ValueError: on a key that is not a LoRA/DoRA tensor of a decoder weight.
+        """
+        return [self.from_peft(peft_key, tensor)]
+
 
 def peft_adapter_config(
     target_modules: List[str],

@@ -13,6 +13,11 @@ member; ``adapter_config.json`` gives those modules rank ``n * r`` and alpha ``n
 ``alpha_pattern``), so PEFT's scale ``alpha / r`` is ours. DoRA's magnitude is per output row, so the members'
 magnitudes stack too, but only when every member of a fused module is adapted (an unadapted member's rows would need
 the base weight's norms): other DoRA layouts are refused before any weight is read.
+
+Reading an adapter back (generation's ``adapter_dir``, ``tune-ext merge``) inverts that for a model with the training
+run's LoRA modules: block ``i`` of a rank ``n * r`` fused LoRA is the ``i``-th adapted member's; a fused LoRA of rank
+``r`` (PEFT's own, shared by the members) gives each member ``lora_A`` and its rows of ``lora_B``. Both are exact;
+a nonzero ``lora_B`` entry the model's LoRAs cannot hold fails the read.
 """
 
 from __future__ import annotations
@@ -46,6 +51,18 @@ _LORA_SUFFIXES = {"lora_a.weight": "lora_A.weight", "lora_b.weight": "lora_B.wei
 _TO_HF = {tune: hf for hf, tune in _PHI3_MINI.items()}
 
 
+_FUSED_PEFT_RE = re.compile(
+    r"^base_model\.model\.(model\.layers\.\d+\.(?:self_attn|mlp)\.(qkv_proj|gate_up_proj))"
+    r"\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector(?:\.weight)?)$"
+)
+
+
+def _adapted_members(model: nn.Module) -> Dict[str, Tuple[str, ...]]:
+    lora_a = (_MEMBER_RE.match(name) for name, _ in model.named_parameters() if name.endswith(".lora_a.weight"))
+    names = {match.group(2) for match in lora_a if match}
+    return {fused: tuple(m for m in members if m in names) for fused, members in FUSED.items()}
+
+
 def _fused_of(member: str) -> str:
     return next(fused for fused, members in FUSED.items() if member in members)
 
@@ -68,6 +85,8 @@ class Phi3Converter(HFConverter):
             "qkv_proj": [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
             "gate_up_proj": None,  # two equal halves
         }
+        self._adapted: Dict[str, Tuple[str, ...]] = {}  # fused HF module -> its members the model adapts
+        self._rank = 0
 
     @classmethod
     def for_model(cls, model_type: str, model: nn.Module) -> Phi3Converter:
@@ -87,6 +106,8 @@ class Phi3Converter(HFConverter):
                         f"adapter of a fused module needs DoRA on all of them. Add the others to "
                         "model.lora_attn_modules (or set model.apply_lora_to_mlp), or use LoRA (use_dora=False)."
                     )
+        converter._adapted = _adapted_members(model)
+        converter._rank = next((p.shape[0] for n, p in model.named_parameters() if n.endswith("lora_a.weight")), 0)
         return converter
 
     def to_tune_all(self, hf_key: str, tensor: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
@@ -222,17 +243,77 @@ class Phi3Converter(HFConverter):
             "alpha_pattern": {f: n * alpha for f, n in multiples.items()},
         }
 
-    def from_peft(self, peft_key: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
-        """Reading PEFT adapters back into the separate q/k/v LoRAs is not supported for Phi-3.
+    def from_peft_all(self, peft_key: str, tensor: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+        """Splits a fused module's PEFT tensor into the LoRAs of the members the model adapts (other keys: one to
+        one, :meth:`HFConverter.from_peft`). A fused LoRA of rank ``n * r`` (``n``: the model's adapted members,
+        ``r``: its ``lora_rank``) is our export's block layout: member ``i`` takes block ``i`` of ``lora_A``'s rows
+        and of ``lora_B``'s columns. One of rank ``r`` is a LoRA the members share (PEFT's own on ``qkv_proj``): each
+        takes ``lora_A`` whole and its rows of ``lora_B``. On real tensors, ``lora_B`` must be zero wherever the
+        model has no LoRA to hold it (another member, another block).
+
+        Args:
+            peft_key (str): PEFT key.
+            tensor (torch.Tensor): the adapter tensor (meta: shapes only).
+
+        Returns:
+            List[Tuple[str, torch.Tensor]]: torchtune keys and tensors.
 
         Raises:
-            ValueError: always, naming what to use instead.
+            ValueError: on a fused LoRA the model's LoRAs cannot hold (rank, adapted members, nonzero rows).
         """
+        match = _FUSED_PEFT_RE.match(peft_key)
+        if match is None:
+            return [self.from_peft(peft_key, tensor)]
+        module, fused, kind = match.groups()
+        members, adapted = FUSED[fused], self._adapted.get(fused, ())
+        parent = get_mapped_key(f"{module}.weight", _PHI3_MINI).rsplit(".", 2)[0]  # layers.N.attn / layers.N.mlp
+        keys = {m: f"{parent}.{m}" for m in members}
+        if not adapted:
+            raise ValueError(
+                f"{peft_key!r} adapts {fused}, but the model has no LoRA on {list(members)}: use the training "
+                "config's model.lora_attn_modules / model.apply_lora_to_mlp."
+            )
+        if kind.startswith("lora_magnitude_vector"):
+            rows = self._rows(fused, tensor.shape[0])
+            return [(f"{keys[m]}.magnitude", tensor[slice(*rows[m])]) for m in adapted]
+        rank = tensor.shape[0] if kind == "lora_A.weight" else tensor.shape[1]
+        blocks = self._blocks(peft_key, fused, rank)
+        if kind == "lora_A.weight":
+            return [(f"{keys[m]}.lora_a.weight", tensor[blocks[m]]) for m in adapted]
+        rows = self._rows(fused, tensor.shape[0])
+        if tensor.device.type != "meta":
+            self._check_unheld(peft_key, tensor, rows, blocks)
+        return [(f"{keys[m]}.lora_b.weight", tensor[slice(*rows[m]), blocks[m]]) for m in adapted]
+
+    def _rows(self, fused: str, total: int) -> Dict[str, Tuple[int, int]]:
+        sizes = self._splits[fused] or [total // 2] * 2
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        return {m: (end - size, end) for m, size, end in zip(FUSED[fused], sizes, ends)}
+
+    def _blocks(self, peft_key: str, fused: str, rank: int) -> Dict[str, slice]:
+        adapted, r = self._adapted[fused], self._rank
+        if rank == len(adapted) * r:
+            return {m: slice(i * r, (i + 1) * r) for i, m in enumerate(adapted)}
+        if rank == r:
+            return dict.fromkeys(adapted, slice(0, r))
         raise ValueError(
-            f"{peft_key!r}: reading a PEFT adapter of a Phi-3 model (fused qkv_proj / gate_up_proj) into torchtune's "
-            "separate q/k/v LoRAs is not supported; use the merged folder the recipe wrote (step_N/merged), or "
-            "resume from its recipe state."
+            f"{peft_key!r} has rank {rank}: neither {len(adapted)} x the model's lora_rank={r} (one block per adapted "
+            f"member, {list(adapted)}) nor lora_rank (shared): use the training config's model.lora_rank and "
+            "model.lora_attn_modules."
         )
+
+    def _check_unheld(
+        self, peft_key: str, b: torch.Tensor, rows: Dict[str, Tuple[int, int]], blocks: Dict[str, slice]
+    ) -> None:
+        rest = b.clone()
+        for member, block in blocks.items():
+            rest[slice(*rows[member]), block] = 0
+        unheld = [m for m, (start, end) in rows.items() if rest[start:end].any()]
+        if unheld:
+            raise ValueError(
+                f"{peft_key!r} has nonzero rows for {unheld} that the model's LoRAs on {list(blocks)} do not hold "
+                "(the adapter trained with other LoRA modules): use the training config's model.lora_attn_modules."
+            )
 
 
 def phi_rope_problems(hf_config: Dict[str, Any], model: nn.Module) -> List[str]:

@@ -113,7 +113,8 @@ def load_model_with_adapter(
     Raises:
         FileNotFoundError: on a missing checkpoint or adapter file.
         ValueError: on an adapter that does not fit the model (rank, alpha, target modules, shapes of another
-            base model), naming the file and the mismatch.
+            base model; a Phi adapter's fused LoRA the model's LoRA modules cannot hold), naming the file and the
+            mismatch.
     """
     device = torch.device(device)
     dtype = parse_dtype(dtype, device) if isinstance(dtype, str) else dtype
@@ -121,11 +122,11 @@ def load_model_with_adapter(
         checkpointer = open_base_checkpoint(checkpointer)
     adapter = read_peft_adapter(adapter_dir) if adapter_dir is not None else None
     result = build_model_for(checkpointer, adapter, model, dtype, frozen_dtype)
-    load_base_(result, checkpointer, device)
     tokens: Dict[str, Any] = {}
     state = None
-    if adapter is not None:
+    if adapter is not None:  # before the base: the adapter's values are checked too
         state, tokens = read_adapter_state(adapter, checkpointer.converter, dtype)
+    load_base_(result, checkpointer, device)
     init_adapters_(result, device, state)
     params = dict(result.named_parameters())
     for key, (ids, rows) in tokens.items():
