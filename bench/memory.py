@@ -23,11 +23,17 @@ tokens, ``gradient_accumulation_steps=1``. Allowance, both: the recipe's ``RECIP
 and variable-length batches the seed figures put fragmentation near 100%, ``DeviceAllowance()``), but it gets the
 same allowance here for a like-for-like comparison of the steps.
 
-Run (``--summary``: only Llama 3.1 8B, about 2-3 minutes on 2 shared cores; the full tables about 6 minutes;
+Run (``--summary``: only Llama 3.1 8B, about 10 minutes on 2 shared cores; the full tables about 6 minutes;
 ``--seed`` about 1 minute)::
 
     .venv/bin/python bench/memory.py [--summary] [--jobs 2] [--seq-len 2048] [--memory-gib 16]
     .venv/bin/python bench/memory.py --seed   # torchtune's Llama 2 7B QLoRA recipe vs the seed figures
+    .venv/bin/python bench/memory.py --torchtune-config llama3_1/8B_qlora_single_device [key=value ...]
+
+``--torchtune-config`` estimates torchtune's ``lora_finetune_single_device`` as it runs one of its shipped configs
+(its model, loss, optimizer, batch, gradient accumulation and activation checkpointing from the config; batches padded
+to ``tokenizer.max_seq_len``, else ``--seq-len``), eager: ``compile=True``, packing and activation offloading are
+refused as not modelled. Its last line is exactly ``estimate: peak_allocated_gib=<x> peak_device_gib=<y>``.
 
 ``--summary`` computes only what its last line needs and ends with exactly
 ``summary: llama3_1_8b fp32/bf16=<r> t4_fp16=<n> t4_fp32=<n> gpu16_bf16=<n> torchtune_compiled_bf16=n/a
@@ -36,7 +42,9 @@ t4_host_gib=<x>`` (one line): the ratio is our peak allocated at ``--seq-len``, 
 the ``t4`` device profile (14.58 GiB as torch reports it, the memory-efficient SDPA kernel), 12.7 GiB of host RAM,
 5% headroom on each, every limit counted (device, host: the process, loading, the pinned offload buffers as torch's
 caching host allocator rounds them); ``gpu16_bf16`` the same on a 16 GiB sm80+ card with enough host RAM;
-``t4_host_gib`` the host RAM the ``t4_fp16`` run needs. ``torchtune_compiled_bf16`` is ``n/a``: ``compile=True``
+``t4_host_gib`` the host RAM the ``t4_fp16`` run needs. The table above the line adds the T4 contexts with the offload
+buffers pinned at their own size (``pinned_bytes(exact=True)``: torch's allocator told not to round them; not what
+the recipe does yet), not in the summary line. ``torchtune_compiled_bf16`` is ``n/a``: ``compile=True``
 is not modelled (issue 19, part 1), and an eager figure under that name would be wrong. Every figure is an estimate
 until ``bench/gpu.sh`` measures it.
 """
