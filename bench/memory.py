@@ -23,11 +23,17 @@ tokens, ``gradient_accumulation_steps=1``. Allowance, both: the recipe's ``RECIP
 and variable-length batches the seed figures put fragmentation near 100%, ``DeviceAllowance()``), but it gets the
 same allowance here for a like-for-like comparison of the steps.
 
-Run (``--summary``: only Llama 3.1 8B, about 2-3 minutes on 2 shared cores; the full tables about 6 minutes;
+Run (``--summary``: only Llama 3.1 8B, about 10 minutes on 2 shared cores; the full tables about 6 minutes;
 ``--seed`` about 1 minute)::
 
     .venv/bin/python bench/memory.py [--summary] [--jobs 2] [--seq-len 2048] [--memory-gib 16]
     .venv/bin/python bench/memory.py --seed   # torchtune's Llama 2 7B QLoRA recipe vs the seed figures
+    .venv/bin/python bench/memory.py --torchtune-config llama3_1/8B_qlora_single_device [key=value ...]
+
+``--torchtune-config`` estimates torchtune's ``lora_finetune_single_device`` as it runs one of its shipped configs
+(its model, loss, optimizer, batch, gradient accumulation and activation checkpointing from the config; batches padded
+to ``tokenizer.max_seq_len``, else ``--seq-len``), eager: ``compile=True``, packing and activation offloading are
+refused as not modelled. Its last line is exactly ``estimate: peak_allocated_gib=<x> peak_device_gib=<y>``.
 
 ``--summary`` computes only what its last line needs and ends with exactly
 ``summary: llama3_1_8b fp32/bf16=<r> t4_fp16=<n> t4_fp32=<n> gpu16_bf16=<n> torchtune_compiled_bf16=n/a
@@ -36,7 +42,9 @@ t4_host_gib=<x>`` (one line): the ratio is our peak allocated at ``--seq-len``, 
 the ``t4`` device profile (14.58 GiB as torch reports it, the memory-efficient SDPA kernel), 12.7 GiB of host RAM,
 5% headroom on each, every limit counted (device, host: the process, loading, the pinned offload buffers as torch's
 caching host allocator rounds them); ``gpu16_bf16`` the same on a 16 GiB sm80+ card with enough host RAM;
-``t4_host_gib`` the host RAM the ``t4_fp16`` run needs. ``torchtune_compiled_bf16`` is ``n/a``: ``compile=True``
+``t4_host_gib`` the host RAM the ``t4_fp16`` run needs. The table above the line adds the T4 contexts with the offload
+buffers pinned at their own size (``pinned_bytes(exact=True)``: torch's allocator told not to round them; not what
+the recipe does yet), not in the summary line. ``torchtune_compiled_bf16`` is ``n/a``: ``compile=True``
 is not modelled (issue 19, part 1), and an eager figure under that name would be wrong. Every figure is an estimate
 until ``bench/gpu.sh`` measures it.
 """
@@ -198,7 +206,7 @@ def run_seed_task(task: Tuple[str, List[int]]) -> Dict[int, Dict[str, Any]]:
 
 #: the summary's targets: (device profile, host RAM in GiB; None: enough)
 T4_HOST_GIB = 12.7
-FitTask = Tuple[str, str, str, int]  # (model, dtype, target, batch)
+FitTask = Tuple[str, str, str, int, bool]  # (model, dtype, target, batch, offload buffers pinned at their own size)
 
 
 def _target(name: str):
@@ -211,11 +219,12 @@ def _target(name: str):
 
 def run_fit_task(task: FitTask) -> Dict[str, Any]:
     """Worker: the longest context of our long-context setting on a target (device profile, host RAM, headroom),
-    and the device and host memory at that length."""
-    from torchtune_ext.memory import HostMemory, loading_bytes, longest_fitting_seq_len, process_bytes
+    and the device and host memory at that length; ``exact``: the offload buffers pinned at their own size instead
+    of torch's default power-of-two blocks (``pinned_bytes(exact=True)``)."""
+    from torchtune_ext.memory import HostMemory, loading_bytes, longest_fitting_seq_len, pinned_bytes, process_bytes
 
     torch.set_num_threads(1)
-    model_name, dtype_name, target_name, batch = task
+    model_name, dtype_name, target_name, batch, exact = task
     begin = time.perf_counter()
     dtype = DTYPES[dtype_name]
     estimator, _ = _our_estimator(model_name, dtype_name, batch, 2048, True)
@@ -223,18 +232,18 @@ def run_fit_task(task: FitTask) -> Dict[str, Any]:
     target.profile.check_dtype(dtype)
     estimator.attention_backend = target.profile.sdpa_backend(dtype)
     fixed = HostMemory(process_bytes(), loading_bytes(estimator.model, torch.bfloat16, dtype), 0)
-    longest = longest_fitting_seq_len(estimator, target, batch, fixed)
+    longest = longest_fitting_seq_len(estimator, target, batch, fixed, exact_pinned=exact)
     at = estimator.estimate(batch, longest)
     beyond = estimator.estimate(batch, longest + 1) if longest < (estimator.max_seq_len or 0) else None
-    host = HostMemory(fixed.process, fixed.loading, at.pinned_host_bytes)
+    host = HostMemory(fixed.process, fixed.loading, pinned_bytes(at, exact))
     bound = "max_seq_len"
     if beyond is not None:
-        host_beyond = HostMemory(fixed.process, fixed.loading, beyond.pinned_host_bytes).needed
+        host_beyond = HostMemory(fixed.process, fixed.loading, pinned_bytes(beyond, exact)).needed
         device_over = beyond.device_bytes > target.profile.total_memory_gib * (1 - target.headroom) * GIB
         host_over = host_beyond > target.host_memory_gib * (1 - target.headroom) * GIB
         bound = " and ".join(n for n, over in (("device", device_over), ("host", host_over)) if over)
     return {
-        "key": (model_name, dtype_name, target_name),
+        "key": (model_name, dtype_name, target_name, exact),
         "max_ctx": longest,
         "device": at.device_bytes,
         "peak": at.peak_bytes,
@@ -244,6 +253,94 @@ def run_fit_task(task: FitTask) -> Dict[str, Any]:
         "target": target,
         "seconds": time.perf_counter() - begin,
     }
+
+
+#: torchtune's recipe whose shipped configs ``--torchtune-config`` estimates.
+TORCHTUNE_RECIPE = "lora_finetune_single_device"
+
+
+def torchtune_config(name: str, overrides: List[str]):
+    """One of torchtune's shipped ``lora_finetune_single_device`` configs (``tune ls``), with ``key=value``
+    overrides, checked before any estimate: what this estimate does not model is refused with its reason.
+
+    Raises:
+        SystemExit: an unknown config, or a setting not modelled (compile, packing, activation offloading) or that
+            torchtune's recipe refuses (fp16).
+    """
+    import torchtune
+    from omegaconf import OmegaConf
+    from torchtune import _recipe_registry
+
+    recipe = next(r for r in _recipe_registry.get_all_recipes() if r.name == TORCHTUNE_RECIPE)
+    names = {c.name: c.file_path for c in recipe.configs}
+    if name not in names:
+        raise SystemExit(f"--torchtune-config {name}: not a config of torchtune's {TORCHTUNE_RECIPE} (tune ls)")
+    path = Path(torchtune.__file__).parent.parent / "recipes" / "configs" / names[name]
+    cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+    refusals = {
+        "compile": "compile=True is not modelled: this estimate runs the eager step; inductor's fusion and memory "
+        "planning would hold less (issue 19, part 1). Pass compile=False for the eager estimate",
+        "enable_activation_offloading": "enable_activation_offloading=True is not modelled for torchtune's recipe "
+        "here (its OffloadActivations around the model's forward only, the output layer kept); pass False",
+        "dataset.packed": "dataset.packed=True is not modelled (packed batches carry a block-causal mask); pass "
+        "dataset.packed=False and tokenizer.max_seq_len=<the pack size>",
+    }
+    for key, reason in refusals.items():
+        if OmegaConf.select(cfg, key, default=False):
+            raise SystemExit(reason)
+    if cfg.dtype == "fp16":
+        raise SystemExit("dtype=fp16: torchtune's recipe refuses it (fp32 or bf16)")
+    return cfg
+
+
+def torchtune_config_estimate(name: str, overrides: List[str], seq_len: int):
+    """torchtune's ``lora_finetune_single_device`` step for its config ``name`` (eager): its model built from the
+    config's ``model:`` on meta under the config's dtype, its set-up (``torchtune_setup``), its loss and optimizer
+    from the config (over ``model.parameters()``), its micro-batch and accumulation; batches padded to
+    ``tokenizer.max_seq_len`` (or ``seq_len`` where the config has none). Allowance: ``DeviceAllowance()``, since
+    torchtune's recipe leaves the allocator at its default (fragmentation 1.0 of the transient part, from torchtune's
+    published Llama 2 7B run).
+
+    Returns:
+        Tuple[MemoryEstimate, DictConfig]: the estimate and the config.
+    """
+    from torchtune import config, training
+
+    from torchtune_ext.memory import DeviceAllowance, MemoryEstimator, torchtune_setup, torchtune_train_step
+
+    cfg = torchtune_config(name, overrides)
+    dtype = DTYPES[cfg.dtype]
+    with training.set_default_dtype(dtype), torch.device("meta"):
+        model = config.instantiate(cfg.model)
+    estimator = MemoryEstimator(
+        model,
+        train_step=torchtune_train_step,
+        setup=torchtune_setup,
+        activation_checkpointing=bool(cfg.enable_activation_checkpointing),
+        loss_fn=config.instantiate(cfg.loss),
+        optimizer_factory=lambda m: config.instantiate(cfg.optimizer, m.parameters()),
+        dtype=dtype,
+        gradient_accumulation_steps=int(cfg.gradient_accumulation_steps),
+        allowance=DeviceAllowance(),
+    )
+    length = cfg.tokenizer.get("max_seq_len", None) or seq_len
+    return estimator.estimate(int(cfg.batch_size), int(length)), cfg
+
+
+def _torchtune_config_main(args: argparse.Namespace) -> None:
+    start = time.perf_counter()
+    estimate, cfg = torchtune_config_estimate(args.torchtune_config, args.overrides, args.seq_len)
+    print(
+        f"\n## torchtune's {TORCHTUNE_RECIPE} with its config {args.torchtune_config} (eager, compile=False; "
+        f"dtype {cfg.dtype}, batch {estimate.batch_size} x {estimate.seq_len} tokens padded, gradient accumulation "
+        f"{cfg.gradient_accumulation_steps}, activation checkpointing {cfg.enable_activation_checkpointing}, loss "
+        f"{cfg.loss._component_}); an estimate, {time.perf_counter() - start:.0f} s\n"
+    )
+    print(estimate.format())
+    print(
+        f"estimate: peak_allocated_gib={estimate.peak_bytes / GIB:.2f} "
+        f"peak_device_gib={estimate.device_bytes / GIB:.2f}"
+    )
 
 
 def _run_all(fn, tasks: List[Any], jobs: int) -> List[Any]:
@@ -267,7 +364,7 @@ def _header(args: argparse.Namespace) -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     setting = (
         ""
-        if args.seed
+        if args.seed or args.torchtune_config
         else (
             f"; batch {args.batch} x {args.seq_len} tokens, LoRA rank 32 on q/k/v/o + MLP, activation checkpointing, "
             "gradient_accumulation_steps=1; ours: our recipe's memory_estimator on our shipped configs; torchtune: "
@@ -405,8 +502,19 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--memory-gib", type=float, default=16.0)
+    parser.add_argument(
+        "--torchtune-config",
+        help=f"estimate torchtune's {TORCHTUNE_RECIPE} for one of its shipped configs (e.g. "
+        "llama3_1/8B_qlora_single_device), eager; key=value overrides follow",
+    )
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of --torchtune-config's config")
     args = parser.parse_args()
+    if args.overrides and not args.torchtune_config:
+        parser.error("key=value overrides are for --torchtune-config")
     _header(args)
+    if args.torchtune_config:
+        _torchtune_config_main(args)
+        return
     if args.seed:
         _seed(args)
         return
@@ -437,7 +545,13 @@ def _summary(args: argparse.Namespace) -> None:
     """The summary: our fp32/bf16 ratio, and the longest contexts on a Colab T4 and a 16 GiB sm80+ card."""
     start = time.perf_counter()
     ratio_tasks: List[Task] = [(MAIN, "ours", d, False, args.batch, args.seq_len, None) for d in ("fp32", "bf16")]
-    fit_tasks: List[FitTask] = [(MAIN, "fp16", "t4", 1), (MAIN, "fp32", "t4", 1), (MAIN, "bf16", "gpu16", 1)]
+    fit_tasks: List[FitTask] = [
+        (MAIN, "fp16", "t4", 1, False),
+        (MAIN, "fp32", "t4", 1, False),
+        (MAIN, "bf16", "gpu16", 1, False),
+        (MAIN, "fp16", "t4", 1, True),
+        (MAIN, "fp32", "t4", 1, True),
+    ]
     fits = {r["key"]: r for r in _run_all(run_fit_task, fit_tasks, args.jobs)}
     ratio = {r["key"][2]: r for r in _run_all(run_task, ratio_tasks, args.jobs)}
     print(
@@ -445,15 +559,16 @@ def _summary(args: argparse.Namespace) -> None:
         f"activation offloading + tiled MLP ({LONG_CONTEXT_TILE}) + checkpointing); estimates\n"
     )
     print(
-        "| target | dtype | SDPA kernel | device (torch-reported) | host RAM | headroom | max tokens | bound by "
-        "| device needed | host needed (process + max(loading, pinned)) | s |"
+        "| target | dtype | pinned offload buffers | SDPA kernel | device (torch-reported) | host RAM | headroom "
+        "| max tokens | bound by | device needed | host needed (process + max(loading, pinned)) | s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for (_, dtype_name, target_name), r in fits.items():
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (_, dtype_name, target_name, exact), r in fits.items():
         target, host = r["target"], r["host"]
         host_gib = "enough" if target_name == "gpu16" else f"{target.host_memory_gib:g} GiB"
         print(
-            f"| {target_name} | {dtype_name} | {r['backend']} | {target.profile.total_memory_gib:.2f} GiB | "
+            f"| {target_name} | {dtype_name} | {'own size (not the recipe yet)' if exact else 'power-of-two blocks'} "
+            f"| {r['backend']} | {target.profile.total_memory_gib:.2f} GiB | "
             f"{host_gib} | {target.headroom:.0%} | {r['max_ctx']} | {r['bound']} | {_gib(r['device'])} GiB | "
             f"{_gib(host.needed)} GiB ({_gib(host.process)} + max({_gib(host.loading)}, {_gib(host.pinned)})) | "
             f"{r['seconds']:.0f} |"
@@ -461,10 +576,11 @@ def _summary(args: argparse.Namespace) -> None:
     fp32, bf16 = ratio["fp32"]["peak"], ratio["bf16"]["peak"]
     print(f"\nours at batch 1 x {args.seq_len}, no offloading: fp32 peak {_gib(fp32)} GiB, bf16 {_gib(bf16)} GiB")
     print(f"torchtune_compiled_bf16: n/a (compile=True is not modelled). wall time {time.perf_counter() - start:.0f} s")
-    t4_fp16 = fits[MAIN, "fp16", "t4"]
+    t4_fp16 = fits[MAIN, "fp16", "t4", False]
     print(
         f"summary: {MAIN} fp32/bf16={fp32 / bf16:.2f} t4_fp16={t4_fp16['max_ctx']} "
-        f"t4_fp32={fits[MAIN, 'fp32', 't4']['max_ctx']} gpu16_bf16={fits[MAIN, 'bf16', 'gpu16']['max_ctx']} "
+        f"t4_fp32={fits[MAIN, 'fp32', 't4', False]['max_ctx']} "
+        f"gpu16_bf16={fits[MAIN, 'bf16', 'gpu16', False]['max_ctx']} "
         f"torchtune_compiled_bf16=n/a t4_host_gib={t4_fp16['host'].needed / GIB:.2f}"
     )
 

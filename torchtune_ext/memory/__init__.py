@@ -47,10 +47,15 @@ from torchtune_ext.memory._devices import DEFAULT_HEADROOM, PROFILES, DeviceProf
 from torchtune_ext.memory._dry_run import (
     DryRunTarget,
     HostMemory,
+    RankHost,
+    collect_rank_hosts,
     dry_run_target,
     fit_report,
+    host_report,
+    host_total,
     loading_bytes,
     longest_fitting_seq_len,
+    pinned_bytes,
     process_bytes,
 )
 from torchtune_ext.memory._estimate import GIB, DeviceAllowance, MemoryEstimate
@@ -77,6 +82,11 @@ from torchtune_ext.memory._tracker import (
 )
 
 __all__ = [
+    "pinned_bytes",
+    "host_total",
+    "host_report",
+    "collect_rank_hosts",
+    "RankHost",
     "CATEGORIES",
     "DEFAULT_HEADROOM",
     "GIB",

@@ -15,16 +15,27 @@ Host RAM needed (:class:`HostMemory`) is, at its largest, the process plus the l
 The process: this process's resident memory at the dry run (torch, the recipe, the tokenizer) plus
 :data:`CUDA_HOST_ALLOWANCE_GIB` for what the CUDA runtime and its libraries map on the host (an assumption: no GPU
 measured it here).
+
+Ranks on one machine share its RAM (Kaggle's 2x T4 is one host): each rank is a process with its own pinned offload
+buffers, and they load together, then train together, so the host needs the sum of their processes plus the larger
+of their summed loading and their summed pinned buffers (:func:`host_total`). A per-rank dry run
+(``DryRunTarget.ranks_per_host`` > 1) checks ``host_memory_gb`` against that sum: in each rank's report its own
+figure times the ranks on the host, and after the last rank the sum of every rank's own figures
+(:func:`host_report`). Ranks > 0 receive the checkpoint one tensor at a time (broadcast from rank 0), at most the
+largest tensor, which for the supported models is about rank 0's 1 GiB chunk: the same loading bound serves every
+rank (an upper bound).
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import psutil
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torchtune_ext.checkpoint import LOAD_CHUNK_BYTES
@@ -46,11 +57,13 @@ class DryRunTarget:
         profile (Optional[DeviceProfile]): the card (None: no device answer).
         host_memory_gib (float): the host's RAM in GiB.
         headroom (float): fraction of each memory a fits answer leaves unused.
+        ranks_per_host (int): ranks sharing the host's RAM (a per-rank dry run: ``world_size``, one machine).
     """
 
     profile: Optional[DeviceProfile]
     host_memory_gib: float
     headroom: float = DEFAULT_HEADROOM
+    ranks_per_host: int = 1
 
 
 def this_machine_memory_gib() -> float:
@@ -64,6 +77,7 @@ def dry_run_target(cfg: Any, device: torch.device, dtype: torch.dtype) -> DryRun
     ``device_profile`` names a card (:data:`torchtune_ext.memory.PROFILES`); ``device_memory_gb`` overrides its
     memory or, alone, describes a card with ``compute_capability`` (default 8.0); neither: the CUDA device here, if
     any. ``host_memory_gb`` (default: this machine's) and ``memory_headroom`` (default 0.05) are the other limits.
+    Inside a per-rank dry run (a process group), the ranks on the host are the launcher's ``LOCAL_WORLD_SIZE``.
 
     Args:
         cfg (Any): the recipe config.
@@ -90,7 +104,16 @@ def dry_run_target(cfg: Any, device: torch.device, dtype: torch.dtype) -> DryRun
     if not isinstance(headroom, (int, float)) or isinstance(headroom, bool) or not 0 <= headroom < 1:
         raise ConfigError(f"memory_headroom={headroom!r} must be a fraction in [0, 1), e.g. 0.05")
     host = cfg.get("host_memory_gb", None)
-    return DryRunTarget(profile, float(host) if host is not None else this_machine_memory_gib(), float(headroom))
+    host_gib = float(host) if host is not None else this_machine_memory_gib()
+    return DryRunTarget(profile, host_gib, float(headroom), ranks_on_this_host())
+
+
+def ranks_on_this_host() -> int:
+    """Ranks sharing this host's RAM: ``LOCAL_WORLD_SIZE`` within a process group (a per-rank dry run sets it);
+    1 without one."""
+    if dist.is_available() and dist.is_initialized():
+        return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return 1
 
 
 @dataclass(frozen=True)
@@ -107,8 +130,22 @@ class HostMemory:
         return self.process + max(self.loading, self.pinned)
 
 
+def host_total(ranks: Sequence[HostMemory]) -> HostMemory:
+    """The host RAM of ranks sharing one machine: each part summed over the ranks (they load at the same time, then
+    train at the same time), so ``host_total(ranks).needed`` is the host's need.
+
+    Args:
+        ranks (Sequence[HostMemory]): each rank's own figures.
+
+    Returns:
+        HostMemory: the host's.
+    """
+    return HostMemory(sum(r.process for r in ranks), sum(r.loading for r in ranks), sum(r.pinned for r in ranks))
+
+
 def loading_bytes(model: nn.Module, checkpoint_dtype: torch.dtype, compute_dtype: torch.dtype) -> int:
-    """Host bytes while loading: a chunk of the checkpoint plus the largest tensor converted (an upper bound).
+    """Host bytes while loading: a chunk of the checkpoint (at most the whole checkpoint) plus the largest tensor
+    converted (an upper bound).
 
     Args:
         model (nn.Module): the model (meta is fine): its largest parameter stands for the checkpoint's largest tensor.
@@ -118,8 +155,9 @@ def loading_bytes(model: nn.Module, checkpoint_dtype: torch.dtype, compute_dtype
     Returns:
         int: bytes.
     """
-    largest = max(p.numel() for p in model.parameters())
-    chunk = max(LOAD_CHUNK_BYTES, largest * checkpoint_dtype.itemsize)
+    sizes = [p.numel() for p in model.parameters()]
+    largest = max(sizes)
+    chunk = min(max(LOAD_CHUNK_BYTES, largest * checkpoint_dtype.itemsize), sum(sizes) * checkpoint_dtype.itemsize)
     return chunk + largest * compute_dtype.itemsize
 
 
@@ -134,8 +172,10 @@ def longest_fitting_seq_len(
     batch_size: int,
     host: HostMemory,
     upper: Optional[int] = None,
+    exact_pinned: bool = False,
 ) -> int:
-    """The longest sequence whose step fits the card and the host, each with the headroom.
+    """The longest sequence whose step fits the card and the host, each with the headroom; with several ranks on the
+    host (``target.ranks_per_host``), the host holds that many ranks like this one.
 
     Args:
         estimator (MemoryEstimator): the step's estimator.
@@ -143,17 +183,19 @@ def longest_fitting_seq_len(
         batch_size (int): sequences per step.
         host (HostMemory): the run's process and loading bytes (its ``pinned`` is ignored: each length's own).
         upper (Optional[int]): the longest length to consider; default the model's ``max_seq_len``.
+        exact_pinned (bool): count the offload buffers at their own size (:func:`pinned_bytes`), not as torch's
+            caching host allocator rounds them by default.
 
     Returns:
         int: the length (0 if nothing fits).
     """
     device_budget = usable_gib(target.profile.total_memory_gib, target.headroom) * GIB if target.profile else None
-    host_budget = usable_gib(target.host_memory_gib, target.headroom) * GIB
+    host_budget = usable_gib(target.host_memory_gib, target.headroom) * GIB / target.ranks_per_host
     fixed: List[int] = []
 
     def need(seq_len: int) -> int:
         estimate = estimator.estimate(batch_size, seq_len)
-        needed = replace(host, pinned=estimate.pinned_host_bytes).needed
+        needed = replace(host, pinned=pinned_bytes(estimate, exact_pinned)).needed
         ratios = [needed / host_budget]
         base = [replace(host, pinned=0).needed / host_budget]
         if device_budget is not None:
@@ -168,6 +210,59 @@ def longest_fitting_seq_len(
     return _longest_fitting(need, _SCALE, top, min(top, 2048), fixed)
 
 
+def pinned_bytes(estimate: MemoryEstimate, exact: bool = False) -> int:
+    """The pinned host memory of an estimate's offload buffers.
+
+    By default as torch's caching host allocator reserves them: every block rounded up to a power of two. ``exact``:
+    at their own size, what the allocator reserves when told not to round large blocks
+    (``PYTORCH_CUDA_ALLOC_CONF=pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:1``, torch >= 2.13: blocks
+    over 1 MB neither rounded nor cached; the few smaller tensors, such as a norm's row scales, are counted at their
+    size too). Every offloaded tensor lives from its forward to its backward, so their sum (``host_bytes``) is the
+    live peak. A model of the allocator's rule, not a measurement: pinned memory needs CUDA.
+
+    Args:
+        estimate (MemoryEstimate): the estimate.
+        exact (bool): no power-of-two rounding.
+
+    Returns:
+        int: bytes.
+    """
+    return estimate.host_bytes if exact else estimate.pinned_host_bytes
+
+
+@dataclass(frozen=True)
+class RankHost:
+    """One rank's host figures in a per-rank dry run (:func:`collect_rank_hosts`)."""
+
+    host: HostMemory
+    target: DryRunTarget
+    longest: int
+
+
+_COLLECTORS: List[List[RankHost]] = []
+
+
+@contextmanager
+def collect_rank_hosts() -> Iterator[List[RankHost]]:
+    """Within: every :func:`fit_report` appends its rank's host figures to the list yielded (a per-rank dry run
+    sums them into the host's, :func:`host_report`)."""
+    ranks: List[RankHost] = []
+    _COLLECTORS.append(ranks)
+    try:
+        yield ranks
+    finally:
+        _COLLECTORS.remove(ranks)
+
+
+def _host_line(host: HostMemory, estimate_host_bytes: int) -> str:
+    return (
+        f"process {host.process / GIB:.2f} GiB (RSS now + {CUDA_HOST_ALLOWANCE_GIB:g} GiB CUDA libraries, assumed) + "
+        f"max(loading {host.loading / GIB:.2f} GiB (checkpoint chunk + largest tensor converted), pinned offload "
+        f"buffers {host.pinned / GIB:.2f} GiB (power-of-two blocks of torch's caching host allocator; "
+        f"{estimate_host_bytes / GIB:.2f} GiB of tensors))"
+    )
+
+
 def fit_report(
     estimator: MemoryEstimator,
     estimate: MemoryEstimate,
@@ -178,11 +273,14 @@ def fit_report(
 ) -> List[str]:
     """The report's lines on the card, the host and the longest sequence that fits both.
 
+    With several ranks on the host (``target.ranks_per_host``), the host line is this rank's and the host check is
+    for that many ranks like it; inside :func:`collect_rank_hosts` the rank's figures are also collected.
+
     Args:
         estimator (MemoryEstimator): the step's estimator (for the search).
         estimate (MemoryEstimate): the estimate at the configured length.
         target (DryRunTarget): the limits.
-        host (HostMemory): host RAM of the run at the configured length.
+        host (HostMemory): host RAM of the run (of this rank) at the configured length.
         batch_size (int): sequences per step.
         label (Callable[[str], str]): prefixes a line (e.g. a rank).
 
@@ -201,15 +299,25 @@ def fit_report(
             )
         )
         lines.append(label(fits_line("device", estimate.device_bytes, profile.total_memory_gib, target.headroom)))
-    lines.append(
-        label(
-            f"host RAM: process {host.process / GIB:.2f} GiB (RSS now + {CUDA_HOST_ALLOWANCE_GIB:g} GiB CUDA "
-            f"libraries, assumed) + max(loading {host.loading / GIB:.2f} GiB (checkpoint chunk + largest tensor "
-            f"converted), pinned offload buffers {host.pinned / GIB:.2f} GiB (power-of-two blocks of torch's "
-            f"caching host allocator; {estimate.host_bytes / GIB:.2f} GiB of tensors))"
+    ranks = target.ranks_per_host
+    if ranks == 1:
+        lines.append(label(f"host RAM: {_host_line(host, estimate.host_bytes)}"))
+        lines.append(label(fits_line("host", host.needed, target.host_memory_gib, target.headroom)))
+    else:
+        lines.append(
+            label(f"host RAM, this rank: {host.needed / GIB:.2f} GiB = {_host_line(host, estimate.host_bytes)}")
         )
-    )
-    lines.append(label(fits_line("host", host.needed, target.host_memory_gib, target.headroom)))
+        what = f"host ({ranks} ranks on it, this rank's figure x {ranks}; every rank's own summed after the last)"
+        lines.append(label(fits_line(what, host_total([host] * ranks).needed, target.host_memory_gib, target.headroom)))
+    exact = replace(host, pinned=pinned_bytes(estimate, exact=True))
+    if exact.needed != host.needed:
+        lines.append(
+            label(
+                f"host RAM{f' of the {ranks} ranks' if ranks > 1 else ''} if the offload buffers were pinned at "
+                f"their own size (not what torch's default allocator does; pinned_max_round_threshold_mb, "
+                f"docs/memory-estimates.md): {ranks * exact.needed / GIB:.2f} GiB"
+            )
+        )
     longest = longest_fitting_seq_len(estimator, target, batch_size, host)
     limits = "device and host" if profile is not None else "host"
     lines.append(
@@ -218,17 +326,49 @@ def fit_report(
             f"{longest} tokens (an estimate until a GPU measures it)"
         )
     )
+    for collector in _COLLECTORS[-1:]:
+        collector.append(RankHost(host, target, longest))
     return lines
+
+
+def host_report(ranks: Sequence[RankHost]) -> List[str]:
+    """The host's lines after a per-rank dry run: every rank's own host RAM, their sum against ``host_memory_gb``
+    (with the headroom), and the longest sequence every rank fits.
+
+    Args:
+        ranks (Sequence[RankHost]): each rank's figures, rank 0 first (:func:`collect_rank_hosts`).
+
+    Returns:
+        List[str]: the lines.
+    """
+    target = ranks[0].target
+    total = host_total([r.host for r in ranks])
+    parts = ", ".join(f"rank {i} {r.host.needed / GIB:.2f}" for i, r in enumerate(ranks))
+    return [
+        f"host RAM per rank (GiB): {parts}",
+        f"host RAM of the {len(ranks)} ranks on one machine: process {total.process / GIB:.2f} GiB + "
+        f"max(loading {total.loading / GIB:.2f} GiB, pinned offload buffers {total.pinned / GIB:.2f} GiB), "
+        "each summed over the ranks",
+        fits_line(f"host ({len(ranks)} ranks)", total.needed, target.host_memory_gib, target.headroom),
+        f"longest sequence every rank fits ({target.headroom:.0%} headroom on each device and on the host): "
+        f"{min(r.longest for r in ranks)} tokens (an estimate until a GPU measures it)",
+    ]
 
 
 __all__ = [
     "CUDA_HOST_ALLOWANCE_GIB",
     "DryRunTarget",
     "HostMemory",
+    "RankHost",
+    "collect_rank_hosts",
     "dry_run_target",
     "fit_report",
+    "host_report",
+    "host_total",
     "loading_bytes",
     "longest_fitting_seq_len",
+    "pinned_bytes",
     "process_bytes",
+    "ranks_on_this_host",
     "this_machine_memory_gib",
 ]

@@ -6,6 +6,10 @@ it, and its own step runs on fake tensors with the model sharded by the recipe's
 decoder layer), so the estimate sees that rank's shards, the all-gathered layer in use (and the one prefetched), the
 reduce-scatter buffers and its per-rank batch. The tracker follows FSDP2's frees and re-gathers, which resize
 storages in place (:meth:`torchtune_ext.memory.LiveStorageTracker`).
+
+The ranks share one machine (Kaggle's 2x T4): after the last rank, the host's report sums every rank's own host RAM
+(process, loading, pinned offload buffers) and checks it against ``host_memory_gb``
+(:func:`torchtune_ext.memory.host_report`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List
 import torch.distributed as dist
 
 from torchtune_ext.config import ConfigError
+from torchtune_ext.memory._dry_run import collect_rank_hosts, host_report
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -71,22 +76,28 @@ def dry_run_world_size(cfg: Any) -> int:
 
 
 def per_rank_dry_run(recipe_factory: Callable[[Any], Any], cfg: Any) -> List[str]:
-    """Each rank's dry-run report (``recipe.dry_run(cfg)`` with that rank's fake process group).
+    """Each rank's dry-run report (``recipe.dry_run(cfg)`` with that rank's fake process group), then the host's
+    (every rank on one machine).
 
     Args:
         recipe_factory (Callable[[Any], Any]): builds the recipe from the config (the distributed recipe class).
         cfg (Any): the config (``world_size``: ranks, default 2).
 
     Returns:
-        List[str]: the reports, rank 0 first.
+        List[str]: the reports: rank 0 first, the host's last.
     """
     world_size = dry_run_world_size(cfg)
     reports = []
-    for rank in range(world_size):
-        with fake_process_group(rank, world_size):
-            print(f"\n=== rank {rank} of {world_size} (FSDP2, fake process group) ===", flush=True)
-            reports.append(recipe_factory(cfg).dry_run(cfg))
-    return reports
+    with collect_rank_hosts() as ranks:
+        for rank in range(world_size):
+            with fake_process_group(rank, world_size):
+                print(f"\n=== rank {rank} of {world_size} (FSDP2, fake process group) ===", flush=True)
+                reports.append(recipe_factory(cfg).dry_run(cfg))
+    host = "\n".join(
+        [f"\n=== the host: {world_size} ranks on one machine ===", *(f"  {line}" for line in host_report(ranks))]
+    )
+    print(host, flush=True)
+    return [*reports, host]
 
 
 __all__ = ["dry_run_world_size", "fake_process_group", "per_rank_dry_run"]

@@ -19,6 +19,7 @@ from torchtune_ext.memory import (
     fits_line,
     longest_fitting_seq_len,
     pinned_block_bytes,
+    pinned_bytes,
 )
 from torchtune_ext.models import TINY_LLAMA_ARGS
 from torchtune_ext.training import QLoRARecipe
@@ -86,19 +87,44 @@ def test_pinned_offload_buffers_are_power_of_two_blocks_of_the_layer_inputs():
 
 def test_longest_sequence_respects_device_host_and_headroom():
     """The search's answer L fits both limits (with the headroom) and L + 1 does not, by the estimates themselves;
-    with a small host the host is what bounds it."""
+    with a small host the host is what bounds it, and two ranks on that host (each its own process, loading and
+    pinned buffers) fit a shorter one; with the offload buffers at their own size (no power-of-two blocks) a longer
+    one."""
     settings = ["model.num_layers=4", "model.lora_rank=4", "model.max_seq_len=4096", "dtype=fp16"]
     cfg = _cfg(*settings, "enable_activation_checkpointing=True", "enable_activation_offloading=True")
     estimator = _estimator(cfg)
     process, loading = 256 * KIB, 2 * 1024 * KIB
-    for host_gib, device_gib in ((0.004, 2.0), (64.0, 0.57)):
-        target = DryRunTarget(device_profile(None, device_gib, "7.5"), host_gib, 0.05)
+    answers = {}
+    for host_gib, device_gib, ranks, exact in (
+        (0.006, 2.0, 1, False),
+        (0.006, 2.0, 2, False),
+        (0.006, 2.0, 1, True),
+        (64.0, 0.57, 1, False),
+    ):
+        target = DryRunTarget(device_profile(None, device_gib, "7.5"), host_gib, 0.05, ranks)
 
-        def fits(seq_len: int, host_gib: float = host_gib, device_gib: float = device_gib) -> bool:
+        def fits(seq_len: int, host_gib=host_gib, device_gib=device_gib, ranks=ranks, exact=exact) -> bool:
             estimate = estimator.estimate(1, seq_len)
-            host = process + max(loading, estimate.pinned_host_bytes)  # loading comes before the pinned buffers
-            return host <= host_gib * 0.95 * GIB and estimate.device_bytes <= device_gib * 0.95 * GIB
+            pinned = estimate.host_bytes if exact else estimate.pinned_host_bytes
+            host = process + max(loading, pinned)  # loading comes before the pinned buffers
+            return ranks * host <= host_gib * 0.95 * GIB and estimate.device_bytes <= device_gib * 0.95 * GIB
 
-        longest = longest_fitting_seq_len(estimator, target, 1, HostMemory(process, loading, 0))
+        longest = longest_fitting_seq_len(estimator, target, 1, HostMemory(process, loading, 0), exact_pinned=exact)
         assert 0 < longest < 4096
         assert fits(longest) and not fits(longest + 1)
+        answers[host_gib, ranks, exact] = longest
+    assert answers[0.006, 2, False] < answers[0.006, 1, False] < answers[0.006, 1, True]
+
+
+def test_exact_pinned_bytes_are_the_offloaded_tensors():
+    """Without the power-of-two blocks the offload buffers are the tensors themselves: each layer's input (``seq x
+    dim`` in fp16) and what the final norm saves outside the checkpointed layers (its fp32 input, twice, and the fp32
+    row scales), each counted in 512-byte units as device storages are."""
+    num_layers, dim, seq_len = 4, TINY_LLAMA_ARGS["embed_dim"], 1000
+    settings = [f"model.num_layers={num_layers}", "model.lora_rank=4", "model.max_seq_len=1024", "dtype=fp16"]
+    cfg = _cfg(*settings, "enable_activation_checkpointing=True", "enable_activation_offloading=True")
+    estimate = _estimator(cfg).estimate(1, seq_len)
+    layer_input = seq_len * dim * torch.float16.itemsize
+    tensors = [layer_input] * num_layers + [seq_len * dim * 4] * 2 + [seq_len * 4] * 2
+    assert pinned_bytes(estimate, exact=True) == sum(-(-n // 512) * 512 for n in tensors)  # as the device counts
+    assert pinned_bytes(estimate) == estimate.pinned_host_bytes >= num_layers * pinned_block_bytes(layer_input)

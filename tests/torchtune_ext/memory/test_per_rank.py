@@ -16,9 +16,24 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipes.qlora_finetune_distributed import QLoRAFinetuneRecipeDistributed
 from torchtune_ext.config import ConfigError
-from torchtune_ext.memory import dry_run_world_size, fake_process_group
+from torchtune_ext.memory import (
+    GIB,
+    HostMemory,
+    collect_rank_hosts,
+    dry_run_target,
+    dry_run_world_size,
+    fake_process_group,
+    host_total,
+    per_rank_dry_run,
+)
 from torchtune_ext.models import materialize_
-from torchtune_ext.training import build_qlora_model, default_adapter_dtype, frozen_weights_dtype, parse_dtype
+from torchtune_ext.training import (
+    QLoRARecipe,
+    build_qlora_model,
+    default_adapter_dtype,
+    frozen_weights_dtype,
+    parse_dtype,
+)
 
 CONFIG = "configs/tiny/qlora_distributed.yaml"
 BATCH, SEQ_LEN = 2, 128
@@ -85,3 +100,36 @@ def test_world_size_is_checked_before_anything():
         dry_run_world_size(_cfg("world_size=1"))
     assert dry_run_world_size(_cfg()) == 2
     assert not torch.distributed.is_initialized()
+
+
+def test_host_ram_of_the_ranks_on_one_machine_is_their_sum(capsys):
+    """Each rank offloads its own batch's layer inputs, as one rank alone does (activations are not sharded), so the
+    pinned offload buffers on the host are world_size x the single-rank figure; the host's report sums every rank's
+    own figures (process, loading, pinned) and checks that sum against host_memory_gb."""
+    seq_len = 100  # each layer input 2 x 100 x 256 x 2 bytes: a pinned block of 131,072 bytes rounds it up
+    settings = ["dtype=fp16", "enable_activation_checkpointing=True", "enable_activation_offloading=True"]
+    cfg = _cfg(*settings, "host_memory_gb=64", f"batch_size={BATCH}", f"tokenizer.max_seq_len={seq_len}")
+    single = QLoRARecipe(cfg).memory_estimator(cfg).estimate(BATCH, seq_len)  # one rank, no process group
+    assert single.pinned_host_bytes > single.host_bytes > 0
+    with collect_rank_hosts() as ranks:
+        reports = per_rank_dry_run(QLoRAFinetuneRecipeDistributed, cfg)
+    assert ranks == []  # the dry run collects into its own list
+    assert len(reports) == 3 and "2 ranks on one machine" in reports[-1]
+    for rank in range(2):
+        with fake_process_group(rank, 2):
+            estimate = QLoRAFinetuneRecipeDistributed(cfg).memory_estimator(cfg).estimate(BATCH, seq_len)
+            assert dry_run_target(cfg, torch.device("cpu"), torch.float16).ranks_per_host == 2
+        assert estimate.pinned_host_bytes == single.pinned_host_bytes
+        assert f"pinned offload buffers {single.pinned_host_bytes / GIB:.2f} GiB" in reports[rank]
+    host = host_total([HostMemory(100, 1000, single.pinned_host_bytes)] * 2)
+    assert (host.process, host.loading, host.pinned) == (200, 2000, 2 * single.pinned_host_bytes)
+    per_rank = [
+        float(line.split("host RAM, this rank: ")[1].split()[0])
+        for line in reports[:2]
+        for line in line.splitlines()
+        if "host RAM, this rank: " in line
+    ]
+    summed = float(reports[-1].split("host (2 ranks): needs ")[1].split()[0])
+    assert len(per_rank) == 2 and abs(summed - sum(per_rank)) <= 0.011, (per_rank, summed)
+    assert not torch.distributed.is_initialized()
+    assert "host (2 ranks): needs" in capsys.readouterr().out
