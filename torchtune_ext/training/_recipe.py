@@ -6,7 +6,7 @@ process group, per-rank batch sizes and FSDP2 sharding (:meth:`QLoRARecipe._para
 works on one rank and on many, so both recipes run the same code:
 
 setup (:meth:`QLoRARecipe.setup`), in this order; nothing is written before step 4:
-    1. seed; settings and every config check that is cheap (:meth:`_read_settings`, in ``__init__``)
+    1. seed; settings and every config check that is cheap (:class:`RecipeSettings`, in ``__init__``)
     2. the model on the meta device, checked against the checkpoint's headers; tokenizer, loss, data sets
     3. data checks (labels within ``max_seq_len``, enough batches), vocab-pruning ids, the resumed recipe state
     4. stale temporaries of killed writes removed, metric logger opened
@@ -33,13 +33,12 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import random
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, ListConfig
@@ -54,10 +53,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import (  # [issue 17] output-dir checks; [issue 25] bounded disk
-    DEFAULT_KEEP_LAST_N,
-    MERGE_BASES,
     RECIPE_STATE_DIRNAME,
     DataPosition,
     DiskPlan,
@@ -69,7 +65,6 @@ from torchtune_ext.checkpoint import (  # [issue 17] output-dir checks; [issue 2
     count_saves,
     load_base_,
     merge_at_epoch_end,
-    parse_keep_last_n,
     plain_rng_state,
     plan_disk,
     read_hf_config,
@@ -108,13 +103,14 @@ from torchtune_ext.modules.vocab_pruning import (
     KEPT_IDS_FILENAME,
     VocabPruning,
     export_full_vocab_state_dict,
-    parse_vocab_pruning,
     prune_vocab_,
     resolve_kept_ids,
     save_scanned_kept_ids,
     scan_estimate_line,
 )
-from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
+from torchtune_ext.training._activations import activation_offloading
+from torchtune_ext.training._builders import build_dataset, build_qlora_model, build_tokenizer
+from torchtune_ext.training._data import shifted_labels
 from torchtune_ext.training._export import check_run_folders, export_merged, merge_command
 from torchtune_ext.training._interrupt import (
     InterruptGuard,
@@ -128,20 +124,9 @@ from torchtune_ext.training._precision import (
     DistributedLossScaler,
     LossScaler,
     check_param_dtypes,
-    default_adapter_dtype,
 )
-from torchtune_ext.training._settings import (
-    LoRASettings,
-    build_dataset,
-    build_qlora_model,
-    build_tokenizer,
-    dtype_or_checkpoints,
-    frozen_weights_dtype,
-    positive_int,
-    rng_state,
-    set_rng_state,
-    shifted_labels,
-)
+from torchtune_ext.training._rng import rng_state, seed_everything, set_rng_state
+from torchtune_ext.training._settings import LoRASettings, RecipeSettings, dtype_or_checkpoints, frozen_weights_dtype
 from torchtune_ext.training._validation import ValidationHistory
 
 log = utils.get_logger("INFO")
@@ -150,12 +135,6 @@ log = utils.get_logger("INFO")
 #: peak, since the recipes run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (an assumption until
 #: bench/gpu.sh measures it; torchtune's default allocator with variable-length batches needs about 100%).
 RECIPE_ALLOWANCE = DeviceAllowance(fragmentation=0.1)
-
-
-def _seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
 
 
 class QLoRARecipe(FTRecipeInterface):
@@ -177,23 +156,16 @@ class QLoRARecipe(FTRecipeInterface):
     # ------------------------------------------------------------------------------------- the recipe's attributes
     world_size: int = 1
     rank: int = 0
-    # settings (``_read_settings``)
-    _device: torch.device
-    _dtype: torch.dtype  # compute dtype
-    _adapter_dtype: torch.dtype  # LoRA/DoRA params (fp32 masters under fp16)
-    _frozen_dtype: torch.dtype  # storage of the frozen weights that are not NF4 (embedding, output)
-    _batch_size: int  # per rank
-    _gradient_accumulation_steps: int
-    _clip_grad_norm: Optional[float]
-    _merge_base: str  # "nf4" | "original"
+    settings: RecipeSettings  # the config's settings, read and checked once (``__init__``)
+    max_steps_per_epoch: Optional[int]  # the setting's, or on resume the saved run's
     # components (``_build_components``)
     _checkpointer: QLoRAHFCheckpointer
     _lora: LoRASettings
+    _frozen_dtype: torch.dtype  # storage of the frozen weights that are not NF4 (embedding, output)
     _model: nn.Module
     _tokenizer: Any
     _loss_fn: nn.Module
-    # vocab pruning: settings, kept ids, module
-    _vocab_pruning_cfg: Optional[Dict[str, Any]]
+    # vocab pruning: kept ids, module
     _kept_ids: Optional[List[int]]
     _pruning: Optional[VocabPruning]
     # training state
@@ -214,60 +186,15 @@ class QLoRARecipe(FTRecipeInterface):
     loss_history: List[float]
 
     def __init__(self, cfg: DictConfig) -> None:
-        # A dry run estimates for the configured device type, which this machine need not have.
-        self._dry_run = bool(cfg.get("dry_run", False))
-        check_config(cfg, dry_run=self._dry_run)  # [issue 17] keys, ranges, device, files: before anything is done
-        if not self._dry_run and str(cfg.device).startswith("cuda"):
+        dry_run = bool(cfg.get("dry_run", False))  # estimates for the configured device, which need not be here
+        check_config(cfg, dry_run=dry_run)  # [issue 17] keys, ranges, device, files: before anything is done
+        if not dry_run and str(cfg.device).startswith("cuda"):
             # Before CUDA allocates: growable segments instead of fixed blocks leave little fragmentation when
             # batch shapes vary (the memory estimate's allowance assumes it; the user's own setting is kept).
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        self._device = torch.device(cfg.device) if self._dry_run else utils.get_device(device=cfg.device)
-        self._dtype = parse_dtype(cfg.get("dtype", "fp32"), None if self._dry_run else self._device)
-        self._adapter_dtype = default_adapter_dtype(self._dtype, cfg.get("adapter_dtype", None))
-        self._batch_size = positive_int(cfg, "batch_size", 1)
-        self._read_settings(cfg)
-
-    def _read_settings(self, cfg: DictConfig) -> None:
-        """Reads and checks the settings both recipes take.
-
-        Args:
-            cfg (DictConfig): the recipe config.
-
-        Raises:
-            ValueError: on a non-positive count, an unknown ``merge_base``, or ``enable_activation_offloading`` off
-                CUDA.
-        """
-        self._log_every_n_steps = positive_int(cfg, "log_every_n_steps", 1)
-        self._gradient_accumulation_steps = positive_int(cfg, "gradient_accumulation_steps", 1)
-        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
-        self.total_epochs = positive_int(cfg, "epochs", 1)
-        self.max_steps_per_epoch = positive_int(cfg, "max_steps_per_epoch", None)
-        self._stop_after_step = positive_int(cfg, "stop_after_step", None)
-        self._save_every_n_steps = positive_int(cfg, "save_every_n_steps", None)
-        self._run_val_every_n_steps = positive_int(cfg, "run_val_every_n_steps", None)
-        self._max_validation_steps = positive_int(cfg, "max_validation_steps", None)
-        self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
-        self._overwrite_output_dir = bool(cfg.get("overwrite_output_dir", False))  # [issue 17]
-        self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
-        self._keep_last_n = parse_keep_last_n(cfg.get("keep_last_n_checkpoints", DEFAULT_KEEP_LAST_N))  # [issue 25]
-        self._merge_every_epoch = bool(cfg.get("merge_every_epoch", False))  # [issue 25]
-        self._merge_base = cfg.get("merge_base", "nf4")
-        if self._merge_base not in MERGE_BASES:
-            raise ConfigError(  # [issue 17] a config error: one line, exit code 2
-                f"merge_base={self._merge_base!r} is not supported; use merge_base=nf4 (merge onto the NF4 base the "
-                "adapter was trained on: exactly the trained model) or merge_base=original (onto the checkpoint's "
-                "own weights).",
-                "merge_base",
-            )
-        self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
-        self._enable_activation_offloading = cfg.get("enable_activation_offloading", False)
-        self._tiled_mlp_tokens = positive_int(cfg, "tiled_mlp_tokens", None)
-        self._rope_seq_len = cfg.get("tokenizer", {}).get("max_seq_len", None)  # [issue 25] RoPE cache length
-        if not self._dry_run:
-            check_activation_offloading(self._enable_activation_offloading, self._device)
+        self.settings = RecipeSettings.from_config(cfg)
+        self.max_steps_per_epoch = self.settings.max_steps_per_epoch  # a resume keeps the saved run's
         self._activation_offloading: ContextManager = contextlib.nullcontext()
-        self._compile = cfg.get("compile", False)
-        self._vocab_pruning_cfg = parse_vocab_pruning(cfg.get("vocab_pruning", None))
         self._pruning = None
         self._kept_ids = None
         self._pad_to_multiple: Optional[int] = None
@@ -294,21 +221,23 @@ class QLoRARecipe(FTRecipeInterface):
         check_run_folders(cfg)  # [issue 24] every folder the run writes is writable, before anything is written
         self._set_seed(cfg)
         # [issue 17] a busy output_dir, or one holding another run's checkpoints, is refused before any write
-        check_output_dir(cfg.checkpointer.output_dir, self._resume_from_checkpoint, self._overwrite_output_dir)
+        check_output_dir(
+            cfg.checkpointer.output_dir, self.settings.resume_from_checkpoint, self.settings.overwrite_output_dir
+        )
         self._generate_base_checkpoint(cfg)
         dataset, val_dataset = self._build_components(cfg)
-        self._check_data(dataset, val_dataset, cfg.tokenizer.get("max_seq_len", None))
-        if self._vocab_pruning_cfg is not None:
+        self._check_data(dataset, val_dataset, self.settings.max_seq_len)
+        if self.settings.vocab_pruning is not None:
             self._resolve_kept_ids(dataset, val_dataset)
         self._run = self._run_identity(cfg, dataset)  # [issue 24] what a resume must match
-        state = self._checkpointer.load_recipe_state() if self._resume_from_checkpoint else None
+        state = self._checkpointer.load_recipe_state() if self.settings.resume_from_checkpoint else None
         if state is not None:
             self._check_recipe_state(state)
         self._saved_log_dir = state.metric_log_dir if state is not None else None  # [issue 17]
 
         loss_scaler = DistributedLossScaler if self.world_size > 1 else LossScaler
         self._loss_scaler = loss_scaler(
-            enabled=self._dtype == torch.float16, device=self._device, **cfg.get("loss_scaler", {})
+            enabled=self.settings.dtype == torch.float16, device=self.settings.device, **cfg.get("loss_scaler", {})
         )
         self._guard = NonFiniteGuard(self._loss_scaler)  # [issue 24]
 
@@ -328,7 +257,7 @@ class QLoRARecipe(FTRecipeInterface):
         """The config's seed (torchtune's ``set_seed`` agrees on it across ranks), with the same streams on every
         rank until the model is initialised, so every rank draws the single-device run's initial adapters."""
         self.seed = training.set_seed(seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None))
-        _seed_everything(self.seed)
+        seed_everything(self.seed)
 
     def _generate_base_checkpoint(self, cfg: DictConfig) -> None:
         """The tiny default writes its random base checkpoint on first use (rank 0; the others wait)."""
@@ -349,11 +278,11 @@ class QLoRARecipe(FTRecipeInterface):
         self._checkpointer = config.instantiate(cfg.checkpointer)
         self._lora = LoRASettings.from_config(cfg.model)
         self._frozen_dtype = frozen_weights_dtype(
-            cfg.get("frozen_dtype", None), self._dtype, self._checkpointer.hf_config
+            self.settings.frozen_dtype, self.settings.dtype, self._checkpointer.hf_config
         )
         # [issue 18] merged_dtype: the merged export's dtype (default: the base checkpoint's)
-        self._merged_dtype = dtype_or_checkpoints(cfg.get("merged_dtype", None), self._checkpointer.hf_config)
-        self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
+        self._merged_dtype = dtype_or_checkpoints(self.settings.merged_dtype, self._checkpointer.hf_config)
+        self._model = build_qlora_model(cfg.model, self.settings.dtype, self.settings.adapter_dtype, self._frozen_dtype)
         check_nf4_sharding(self._model, self.world_size)  # [issue 23] refuse/report NF4 layouts before any load
         self._checkpointer.validate(self._model, builder=cfg.model.get("_component_"))  # [issue 24] names the builder
         self._tokenizer = build_tokenizer(cfg.tokenizer)
@@ -373,13 +302,14 @@ class QLoRARecipe(FTRecipeInterface):
         if self.world_size > 1:
             for data in (dataset, val_dataset):
                 if data is not None:
-                    check_dataset_size(len(data), self._batch_size, self.world_size)
-        batches = len(dataset) // (self._batch_size * self.world_size)
-        if batches < self._gradient_accumulation_steps:
+                    check_dataset_size(len(data), self.settings.batch_size, self.world_size)
+        batches = len(dataset) // (self.settings.batch_size * self.world_size)
+        if batches < self.settings.gradient_accumulation_steps:
             raise ConfigError(  # [issue 17] an input error: one line, exit code 2
-                f"The data set gives {batches} batches of batch_size={self._batch_size}"
+                f"The data set gives {batches} batches of batch_size={self.settings.batch_size}"
                 + (" per rank" if self.world_size > 1 else "")
-                + f", fewer than gradient_accumulation_steps={self._gradient_accumulation_steps}: lower either.",
+                + f", fewer than gradient_accumulation_steps={self.settings.gradient_accumulation_steps}: lower "
+                "either.",
                 "gradient_accumulation_steps",
             )
 
@@ -407,28 +337,32 @@ class QLoRARecipe(FTRecipeInterface):
         vocab_size = self._model.tok_embeddings.num_embeddings
         scanned = self._checkpointer.recipe_checkpoint.parent / KEPT_IDS_FILENAME
         self._kept_ids = resolve_kept_ids(
-            self._vocab_pruning_cfg["kept_ids"],
+            self.settings.vocab_pruning["kept_ids"],
             vocab_size,
             self._tokenizer,
             [dataset, val_dataset],
-            scanned=scanned if self._resume_from_checkpoint else None,  # [issue 25]
+            scanned=scanned if self.settings.resume_from_checkpoint else None,  # [issue 25]
         )
         self._info(f"Vocab pruning: keeping {len(self._kept_ids)} of {vocab_size} token ids.")
 
     def _run_identity(self, cfg: DictConfig, dataset: Any) -> RunIdentity:
         """What defines this run (recorded in every recipe state, checked on resume) and its other settings."""
-        dtypes = {"dtype": self._dtype, "adapter_dtype": self._adapter_dtype, "frozen_dtype": self._frozen_dtype}
+        dtypes = {
+            "dtype": self.settings.dtype,
+            "adapter_dtype": self.settings.adapter_dtype,
+            "frozen_dtype": self._frozen_dtype,
+        }
         return RunIdentity.from_config(
             cfg,
             checkpoint_paths=self._checkpointer.checkpoint_paths,
             dataset_size=len(dataset),
-            global_batch_size=self._batch_size * self.world_size,
+            global_batch_size=self.settings.batch_size * self.world_size,
             dtypes=dtypes,
         )
 
     def _save_scanned_kept_ids(self, dataset: Any, val_dataset: Optional[Any]) -> None:
         """Rank 0 writes the kept ids the data pass found next to the recipe state, for a resume."""
-        if self._kept_ids is not None and self._vocab_pruning_cfg["kept_ids"] is None and self._is_rank_zero:
+        if self._kept_ids is not None and self.settings.vocab_pruning["kept_ids"] is None and self._is_rank_zero:
             path = self._checkpointer.output_dir / RECIPE_STATE_DIRNAME / KEPT_IDS_FILENAME
             vocab_size = self._model.tok_embeddings.num_embeddings
             save_scanned_kept_ids(path, self._kept_ids, vocab_size, [dataset, val_dataset])
@@ -440,7 +374,7 @@ class QLoRARecipe(FTRecipeInterface):
         Raises:
             ValueError: listing what differs in what defines the run, or if the adapters differ.
         """
-        for line in state.check_resume(self._run, self._kept_ids, self.total_epochs, self.world_size):  # [issue 24]
+        for line in state.check_resume(self._run, self._kept_ids, self.settings.epochs, self.world_size):  # [issue 24]
             self._info(line)
         check_adapter_state(self._model, state.adapter)
         if state.max_steps_per_epoch != self.max_steps_per_epoch:
@@ -460,7 +394,7 @@ class QLoRARecipe(FTRecipeInterface):
         of an earlier run left in it and opens the metric logger."""
         # [issue 17] one run per output_dir: rank 0 holds its lock until the process ends
         self._output_lock = claim_output_dir(
-            self._checkpointer.output_dir, self._resume_from_checkpoint, self._overwrite_output_dir
+            self._checkpointer.output_dir, self.settings.resume_from_checkpoint, self.settings.overwrite_output_dir
         )
         if not self._is_rank_zero:
             return
@@ -478,12 +412,14 @@ class QLoRARecipe(FTRecipeInterface):
         restores) the adapters; every rank holds only its shards throughout."""
         start = time.perf_counter()
         model = self._model
-        pruning_cfg = self._vocab_pruning_cfg
+        pruning_cfg = self.settings.vocab_pruning
         self._prepare_model(model)
         self._parallelize()
-        load_base_(model, self._checkpointer, self._device, pruning=self._pruning, sharded_device=self._sharded_device)
+        load_base_(
+            model, self._checkpointer, self.settings.device, pruning=self._pruning, sharded_device=self._sharded_device
+        )
         check_base_finite(model, self._checkpointer.checkpoint_dir, self._checkpointer.converter.to_hf)  # [issue 24]
-        init_adapters_(model, self._device, state.adapter if state is not None else None)
+        init_adapters_(model, self.settings.device, state.adapter if state is not None else None)
         training.validate_no_params_on_meta_device(model)
 
         adapters = self._adapter_params = get_adapter_params(model)
@@ -493,17 +429,18 @@ class QLoRARecipe(FTRecipeInterface):
         # LoRA/DoRA params in the adapter dtype; pruned rows (and a pruned output's adapters) in the pruning dtype.
         check_param_dtypes(
             [(k, p) for k, p in zip(self._adapter_keys, adapters.values()) if not k.startswith("tok_embeddings.")],
-            self._adapter_dtype,
+            self.settings.adapter_dtype,
             "adapter",
         )
         if self.rank > 0:
             # Own RNG streams per rank from here on (dropout), as torchtune's seed + rank.
-            _seed_everything(self.seed + self.rank)
+            seed_everything(self.seed + self.rank)
         self._info(
             f"Loaded {self._checkpointer.checkpoint_dir} into NF4"
             + (f" on {self.world_size} ranks" if self.world_size > 1 else "")
-            + f" in {time.perf_counter() - start:.1f} s: compute dtype {self._dtype}, adapters {self._adapter_dtype}, "
-            f"frozen embedding/output stored in {self._frozen_dtype}, device {self._device}"
+            + f" in {time.perf_counter() - start:.1f} s: compute dtype {self.settings.dtype}, adapters "
+            f"{self.settings.adapter_dtype}, "
+            f"frozen embedding/output stored in {self._frozen_dtype}, device {self.settings.device}"
             + (f", vocab pruning in {pruning_cfg['dtype']}" if pruning_cfg else "")
             + "."
         )
@@ -512,7 +449,7 @@ class QLoRARecipe(FTRecipeInterface):
         """What the model gets before its weights: vocab pruning (the kept ids known), only the adapters (and
         trained pruned rows) trainable, tiled MLPs, activation checkpointing per decoder layer, compile, activation
         offloading."""
-        pruning_cfg = self._vocab_pruning_cfg
+        pruning_cfg = self.settings.vocab_pruning
         if pruning_cfg is not None and self._kept_ids is not None:
             self._pruning = prune_vocab_(
                 model,
@@ -522,15 +459,15 @@ class QLoRARecipe(FTRecipeInterface):
                 trainable=pruning_cfg["trainable"],
             )
         set_trainable_params(model, get_adapter_params(model))
-        share_rope_(model, self._rope_seq_len)  # [issue 25] one RoPE cache, sized for the run, grown on demand
-        if self._tiled_mlp_tokens is not None:
-            tile_mlp_(model, self._tiled_mlp_tokens)
-        if self._enable_activation_checkpointing:
+        share_rope_(model, self.settings.max_seq_len)  # [issue 25] one RoPE cache, sized for the run, grown on demand
+        if self.settings.tiled_mlp_tokens is not None:
+            tile_mlp_(model, self.settings.tiled_mlp_tokens)
+        if self.settings.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-        if self._compile:
+        if self.settings.compile:
             training.compile_model(model, verbose=self._is_rank_zero)
-        if not self._dry_run:
-            self._activation_offloading = activation_offloading(model, self._enable_activation_offloading)
+        if not self.settings.dry_run:
+            self._activation_offloading = activation_offloading(model, self.settings.enable_activation_offloading)
 
     def _parallelize(self) -> None:
         """Shards the model (the distributed recipe); one rank keeps it whole."""
@@ -546,7 +483,7 @@ class QLoRARecipe(FTRecipeInterface):
         if isinstance(self._loss_fn, LinearCrossEntropyLoss):
             self._loss_fn.set_model_output(self._model)
             return
-        if self._compile:
+        if self.settings.compile:
             self._loss_fn = training.compile_loss(self._loss_fn)
         if isinstance(self._loss_fn, CEWithChunkedOutputLoss):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
@@ -555,7 +492,7 @@ class QLoRARecipe(FTRecipeInterface):
 
     def _setup_dataloaders(self, cfg: DictConfig, dataset: Any, val_dataset: Optional[Any]) -> None:
         """Training (shuffled per ``cfg.shuffle``, last partial batch dropped) and validation data loaders."""
-        collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
+        collate_fn = self.settings.collate_fn
         self._sampler, self._dataloader = self._data_loader(
             dataset, cfg.dataset, shuffle=cfg.shuffle, collate_fn=collate_fn, drop_last=True
         )
@@ -589,7 +526,7 @@ class QLoRARecipe(FTRecipeInterface):
         )
         dataloader = StatefulDataLoader(
             dataset=dataset,
-            batch_size=self._batch_size,
+            batch_size=self.settings.batch_size,
             sampler=sampler,
             collate_fn=padded_collate_packed
             if packed
@@ -602,7 +539,7 @@ class QLoRARecipe(FTRecipeInterface):
     def _setup_schedule(self, cfg: DictConfig, state: Optional[RecipeState]) -> None:
         """Steps per epoch (at least one: ``_check_data``), the LR scheduler, and (resuming) the optimizer, loss
         scaler, data and RNG positions."""
-        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
+        self._steps_per_epoch = len(self._dataloader) // self.settings.gradient_accumulation_steps
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
         if state is not None:  # [issue 24] this run's optimizer hyperparameters; the global data position
@@ -612,7 +549,7 @@ class QLoRARecipe(FTRecipeInterface):
         self._lr_scheduler = config.instantiate(
             cfg.lr_scheduler,
             self._optimizer,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            num_training_steps=self.settings.epochs * self._steps_per_epoch,
             last_epoch=self.global_step - 1,
         )
         # Restored when training starts, after the data loader iterator has drawn its seed.
@@ -626,7 +563,7 @@ class QLoRARecipe(FTRecipeInterface):
 
     def _memory_metrics(self) -> Dict[str, float]:
         """This rank's memory figures, or every rank's (``<name>/rank<r>``) on several ranks. Collective."""
-        return memory_stats(self._device) if self.world_size == 1 else gather_memory_stats(self._device)
+        return memory_stats(self.settings.device) if self.world_size == 1 else gather_memory_stats(self.settings.device)
 
     # ----------------------------------------------------------------------------------------------- training
 
@@ -675,9 +612,9 @@ class QLoRARecipe(FTRecipeInterface):
         self._model.eval()
         total, count = 0.0, 0
         for i, batch in enumerate(self._val_dataloader):
-            if self._max_validation_steps is not None and i >= self._max_validation_steps:
+            if self.settings.max_validation_steps is not None and i >= self.settings.max_validation_steps:
                 break
-            utils.batch_to_device(batch, self._device)
+            utils.batch_to_device(batch, self.settings.device)
             num_tokens = int((batch["labels"] != self._loss_fn.ignore_index).sum())
             total += float(self.loss_step(batch)) * num_tokens
             count += num_tokens
@@ -720,7 +657,7 @@ class QLoRARecipe(FTRecipeInterface):
         for param in self._trainable_params:
             if param.grad is not None:
                 param.grad.mul_(1.0 / max(global_tokens, 1.0))
-        max_norm = math.inf if self._clip_grad_norm is None else float(self._clip_grad_norm)
+        max_norm = math.inf if self.settings.clip_grad_norm is None else float(self.settings.clip_grad_norm)
         grad_norm = clip_grad_norm_(self._trainable_params, max_norm=max_norm)
         self._loss_scaler.step(self._optimizer)
         self._optimizer.zero_grad(set_to_none=True)
@@ -760,12 +697,12 @@ class QLoRARecipe(FTRecipeInterface):
         """The training loop: gradient accumulation normalised by the global label-token count of each step (all
         ranks, all micro-batches), as torchtune's recipes; checkpoints every ``save_every_n_steps`` and at the end
         of each epoch; stops after ``stop_after_step`` with a resumable checkpoint."""
-        if self._compile:
+        if self.settings.compile:
             self._info("torch.compile is enabled: the first iterations are slow.")
         throughput = Throughput()
         self._first_step_of_run = self.global_step + 1
         running_loss, num_tokens = 0.0, 0
-        for curr_epoch in range(self.epochs_run, self.total_epochs):
+        for curr_epoch in range(self.epochs_run, self.settings.epochs):
             self._sampler.set_epoch(curr_epoch)
             pbar = tqdm(
                 total=self._steps_per_epoch,
@@ -776,23 +713,23 @@ class QLoRARecipe(FTRecipeInterface):
             micro_batches = 0
             if self._rng_to_restore is not None and self._steps_in_epoch_done == 0:
                 # [issue 17] resumed at an epoch's start: the uninterrupted run's iterator drew from this state
-                set_rng_state(self._rng_to_restore, self._device)
+                set_rng_state(self._rng_to_restore, self.settings.device)
                 self._rng_to_restore = None
             batches = iter(self._dataloader)  # draws a seed from the global RNG, as at the start of the run
             if self._rng_to_restore is not None:
-                set_rng_state(self._rng_to_restore, self._device)
+                set_rng_state(self._rng_to_restore, self.settings.device)
                 self._rng_to_restore = None
             step_start = time.perf_counter()
             for batch in batches:
                 if self._steps_in_epoch_done >= self._steps_per_epoch:
                     break
-                utils.batch_to_device(batch, self._device)
+                utils.batch_to_device(batch, self.settings.device)
                 loss, batch_tokens = self.forward_backward(batch)
                 num_tokens += batch_tokens
                 throughput.add(batch_tokens)
                 running_loss += loss
                 micro_batches += 1
-                if micro_batches % self._gradient_accumulation_steps != 0:
+                if micro_batches % self.settings.gradient_accumulation_steps != 0:
                     continue
 
                 step_metrics, global_tokens = self.optimizer_step(num_tokens)
@@ -806,7 +743,7 @@ class QLoRARecipe(FTRecipeInterface):
                 pbar.set_description(
                     f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_value:.4f}" + self._guard.progress()  # [issue 24]
                 )
-                if self.global_step % self._log_every_n_steps == 0:
+                if self.global_step % self.settings.log_every_n_steps == 0:
                     self._log_step(loss_value, step_metrics, throughput, float(num_tokens), global_tokens)
                     throughput.reset()
                 self._guard.check_step(
@@ -823,7 +760,7 @@ class QLoRARecipe(FTRecipeInterface):
                 if mid_epoch and self._interrupt.requested():  # [issue 17] a signal: save this step and exit
                     pbar.close()
                     self._stop_interrupted(end_of_epoch=False)
-                if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
+                if self.settings.stop_after_step is not None and self.global_step >= self.settings.stop_after_step:
                     if mid_epoch:
                         pbar.close()
                         self.save_checkpoint(end_of_epoch=False, full=False)
@@ -832,7 +769,11 @@ class QLoRARecipe(FTRecipeInterface):
                             "resume_from_checkpoint=True."
                         )
                         return
-                elif self._save_every_n_steps and self.global_step % self._save_every_n_steps == 0 and mid_epoch:
+                elif (
+                    self.settings.save_every_n_steps
+                    and self.global_step % self.settings.save_every_n_steps == 0
+                    and mid_epoch
+                ):
                     self.save_checkpoint(end_of_epoch=False, full=False)
                 step_start = time.perf_counter()
             pbar.close()
@@ -840,11 +781,12 @@ class QLoRARecipe(FTRecipeInterface):
             self._steps_in_epoch_done = 0
             # [issue 25] the merged model once, at the end (or every epoch with merge_every_epoch)
             self.save_checkpoint(
-                end_of_epoch=True, full=merge_at_epoch_end(self.epochs_run, self.total_epochs, self._merge_every_epoch)
+                end_of_epoch=True,
+                full=merge_at_epoch_end(self.epochs_run, self.settings.epochs, self.settings.merge_every_epoch),
             )
-            if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
+            if self.settings.stop_after_step is not None and self.global_step >= self.settings.stop_after_step:
                 return
-            if curr_epoch + 1 < self.total_epochs and self._interrupt.requested():  # [issue 17]
+            if curr_epoch + 1 < self.settings.epochs and self._interrupt.requested():  # [issue 17]
                 self._stop_interrupted(end_of_epoch=True)
 
     def _stop_interrupted(self, end_of_epoch: bool) -> None:
@@ -864,7 +806,7 @@ class QLoRARecipe(FTRecipeInterface):
             if end_of_epoch
             else (self.epochs_run + 1, self._steps_in_epoch_done)
         )
-        batch = steps * self._gradient_accumulation_steps
+        batch = steps * self.settings.gradient_accumulation_steps
         self._interrupt.exit(
             interrupted_message(
                 self._interrupt.signum, self.global_step, epoch, batch, self._last_checkpoint, resume_command()
@@ -874,8 +816,8 @@ class QLoRARecipe(FTRecipeInterface):
     def _should_validate(self) -> bool:
         return bool(
             self._val_dataloader is not None
-            and self._run_val_every_n_steps
-            and self.global_step % self._run_val_every_n_steps == 0
+            and self.settings.run_val_every_n_steps
+            and self.global_step % self.settings.run_val_every_n_steps == 0
         )
 
     # ------------------------------------------------------------------------------------------- checkpoints
@@ -885,12 +827,12 @@ class QLoRARecipe(FTRecipeInterface):
     ) -> RecipeState:
         """What :meth:`save_checkpoint` saves to resume (rank 0), the data position over all ranks."""
         steps_in_epoch = 0 if end_of_epoch else self._steps_in_epoch_done  # a new epoch: a fresh pass over the data
-        samples_per_step = self._batch_size * self.world_size * self._gradient_accumulation_steps
+        samples_per_step = self.settings.batch_size * self.world_size * self.settings.gradient_accumulation_steps
         return RecipeState(
             global_step=self.global_step,
             epochs_run=self.epochs_run,
             steps_in_epoch_done=steps_in_epoch,
-            total_epochs=self.total_epochs,
+            total_epochs=self.settings.epochs,
             max_steps_per_epoch=self.max_steps_per_epoch,
             identity=self._run.identity,
             settings=self._run.settings,
@@ -916,9 +858,9 @@ class QLoRARecipe(FTRecipeInterface):
         """Every rank's RNG states, on every rank. Collective."""
         states: List[Any] = [None] * self.world_size
         if self.world_size > 1:
-            dist.all_gather_object(states, rng_state(self._device))
+            dist.all_gather_object(states, rng_state(self.settings.device))
         else:
-            states = [rng_state(self._device)]
+            states = [rng_state(self.settings.device)]
         return states
 
     def save_checkpoint(self, end_of_epoch: bool = True, full: bool = True) -> None:
@@ -934,8 +876,8 @@ class QLoRARecipe(FTRecipeInterface):
         start = time.perf_counter()
         # [issue 24] nothing non-finite is written: a run of skipped fp16 steps or a non-finite adapter stops here
         last, adapters = self._last_saved(), self._named_adapters()
-        self._guard.check_before_save(self.global_step, self._lr(), last, adapters, self._dtype)
-        save_merged = full and not self._save_adapter_weights_only
+        self._guard.check_before_save(self.global_step, self._lr(), last, adapters, self.settings.dtype)
+        save_merged = full and not self.settings.save_adapter_weights_only
         # One rank: the live tensors, no copies; the saver moves one tensor at a time to the host.
         state = get_full_state_dict(
             self._model, adapter_weights_only=not save_merged, keep_nf4=True, cpu_offload=self.world_size > 1
@@ -950,13 +892,13 @@ class QLoRARecipe(FTRecipeInterface):
                 step=self.global_step,
                 adapter_config=self._lora.adapter_config(self._pruning),
                 save_merged=False,  # [issue 24] the merged model comes last, after the recipe state (export_merged)
-                dtype=self._dtype,
-                merge_base=self._merge_base,
+                dtype=self.settings.dtype,
+                merge_base=self.settings.merge_base,
             )
             # [issue 24] one typed recipe state
             self._checkpointer.save_recipe_state(self._recipe_state(end_of_epoch, adapters, optimizer, rng))
             # [issue 25] bounded disk: older step folders go once this one is complete
-            remove_old_checkpoints(self._checkpointer.output_dir, self._keep_last_n, self._last_checkpoint)
+            remove_old_checkpoints(self._checkpointer.output_dir, self.settings.keep_last_n, self._last_checkpoint)
             if save_merged:  # [issue 24] skipped if the disk has no room for it; a failed write keeps the above
                 self._merged_note = export_merged(
                     self._checkpointer,
@@ -964,7 +906,7 @@ class QLoRARecipe(FTRecipeInterface):
                     self.global_step,
                     self._lora.adapter_config(self._pruning),
                     self._merged_dtype,  # [issue 18] merged_dtype
-                    self._merge_base,
+                    self.settings.merge_base,
                 )
             log.info(f"Checkpoint saved to {self._last_checkpoint} in {time.perf_counter() - start:.1f} s.")
         del state
@@ -989,16 +931,18 @@ class QLoRARecipe(FTRecipeInterface):
         None: unknown, epoch-end saves only; ``merged_dtype``: the merged export's)."""
         steps = self.max_steps_per_epoch or 0
         if num_rows is not None:
-            steps = num_rows // (self._batch_size * self.world_size * self._gradient_accumulation_steps)
+            steps = num_rows // (self.settings.batch_size * self.world_size * self.settings.gradient_accumulation_steps)
             steps = min(steps, self.max_steps_per_epoch or steps)
         return plan_disk(
             model,
             output_dir,
-            saves=count_saves(self.total_epochs, steps, self._save_every_n_steps if num_rows is not None else None),
-            keep_last_n=self._keep_last_n,
-            merged_dtype=None if self._save_adapter_weights_only else merged_dtype,
-            epochs=self.total_epochs,
-            merge_every_epoch=self._merge_every_epoch,
+            saves=count_saves(
+                self.settings.epochs, steps, self.settings.save_every_n_steps if num_rows is not None else None
+            ),
+            keep_last_n=self.settings.keep_last_n,
+            merged_dtype=None if self.settings.save_adapter_weights_only else merged_dtype,
+            epochs=self.settings.epochs,
+            merge_every_epoch=self.settings.merge_every_epoch,
         )
 
     def _exportable(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -1025,19 +969,20 @@ class QLoRARecipe(FTRecipeInterface):
             MemoryEstimator: call ``estimate(batch_size, seq_len)`` or ``max_seq_len_that_fits(gib)``.
         """
         hf_config = self._checkpoint_config(cfg)
-        frozen_dtype = frozen_weights_dtype(cfg.get("frozen_dtype", None), self._dtype, hf_config)
+        frozen_dtype = frozen_weights_dtype(self.settings.frozen_dtype, self.settings.dtype, hf_config)
         fake = model is None
         if fake:
-            model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, frozen_dtype)
+            model = build_qlora_model(cfg.model, self.settings.dtype, self.settings.adapter_dtype, frozen_dtype)
 
         # [issue 16] The estimate binds its model, loss and optimizer to its own copy of this recipe (never to self).
         def bind(step: QLoRARecipe, step_model: nn.Module, loss_fn: Any) -> None:
-            step._model, step._loss_fn, step._frozen_dtype, step._compile = step_model, loss_fn, frozen_dtype, False
+            step._model, step._loss_fn, step._frozen_dtype = step_model, loss_fn, frozen_dtype
+            step.settings = replace(step.settings, compile=False)
             # On fake CPU tensors; what the device would hold is what the estimate counts.
             step._loss_scaler = LossScaler(
-                step._dtype == torch.float16, torch.device("cpu"), **cfg.get("loss_scaler", {})
+                step.settings.dtype == torch.float16, torch.device("cpu"), **cfg.get("loss_scaler", {})
             )
-            if step._enable_activation_offloading:
+            if step.settings.enable_activation_offloading:
                 step._activation_offloading = OffloadedActivations()
             step._prepare_model(step_model)
             step._parallelize()  # [issue 19] FSDP2 on a fake process group (a per-rank dry run); no-op on one rank
@@ -1056,9 +1001,9 @@ class QLoRARecipe(FTRecipeInterface):
             bind=bind,
             optimizer=optimizer,
             loss_fn=config.instantiate(cfg.loss),
-            activation_checkpointing=self._enable_activation_checkpointing,
-            dtype=self._dtype,
-            gradient_accumulation_steps=self._gradient_accumulation_steps,
+            activation_checkpointing=self.settings.enable_activation_checkpointing,
+            dtype=self.settings.dtype,
+            gradient_accumulation_steps=self.settings.gradient_accumulation_steps,
             allowance=RECIPE_ALLOWANCE,
             fake=fake,
         )
@@ -1086,21 +1031,23 @@ class QLoRARecipe(FTRecipeInterface):
         Raises:
             ValueError: without ``tokenizer.max_seq_len``.
         """
-        seq_len = cfg.tokenizer.get("max_seq_len", None)
+        seq_len = self.settings.max_seq_len
         if seq_len is None:
             raise ValueError("dry_run=True estimates batches padded to tokenizer.max_seq_len: set it.")
-        target = dry_run_target(cfg, self._device, self._dtype)  # [issue 19] device profile, host, headroom
+        target = dry_run_target(
+            cfg, self.settings.device, self.settings.dtype
+        )  # [issue 19] device profile, host, headroom
         estimator = self.memory_estimator(cfg)
-        estimator.attention_backend = target.profile.sdpa_backend(self._dtype) if target.profile else None
-        estimate = estimator.estimate(self._batch_size, seq_len)
+        estimator.attention_backend = target.profile.sdpa_backend(self.settings.dtype) if target.profile else None
+        estimate = estimator.estimate(self.settings.batch_size, seq_len)
         lines = [
             estimate.format(),
-            f"  settings: dtype={self._dtype}, frozen embedding/output in "
+            f"  settings: dtype={self.settings.dtype}, frozen embedding/output in "
             f"{estimator.model.tok_embeddings.weight.dtype}, "
-            f"activation checkpointing {self._enable_activation_checkpointing}, activation offloading "
-            f"{self._enable_activation_offloading}, tiled_mlp_tokens={self._tiled_mlp_tokens}, "
+            f"activation checkpointing {self.settings.enable_activation_checkpointing}, activation offloading "
+            f"{self.settings.enable_activation_offloading}, tiled_mlp_tokens={self.settings.tiled_mlp_tokens}, "
             f"loss {type(estimator.loss_fn).__name__}, "
-            f"gradient_accumulation_steps={self._gradient_accumulation_steps}",
+            f"gradient_accumulation_steps={self.settings.gradient_accumulation_steps}",
         ]
         lines += self._dry_run_costs(cfg)  # [issue 25]
         lines += self._dry_run_fits(cfg, estimator, estimate, target)  # [issue 19]
@@ -1111,16 +1058,16 @@ class QLoRARecipe(FTRecipeInterface):
     def _dry_run_fits(self, cfg: DictConfig, estimator: Any, estimate: Any, target: DryRunTarget) -> List[str]:
         """[issue 19] Whether the step fits the card and the host (with the headroom), and the longest that does."""
         checkpoint_dtype = dtype_or_checkpoints(None, self._checkpoint_config(cfg))
-        loading = loading_bytes(estimator.model, checkpoint_dtype, self._dtype)
+        loading = loading_bytes(estimator.model, checkpoint_dtype, self.settings.dtype)
         host = HostMemory(process_bytes(), loading, estimate.pinned_host_bytes)
-        return [f"  {line}" for line in fit_report(estimator, estimate, target, host, self._batch_size)]
+        return [f"  {line}" for line in fit_report(estimator, estimate, target, host, self.settings.batch_size)]
 
     def _dry_run_costs(self, cfg: DictConfig) -> List[str]:
         """[issue 25] The disk the run will use and, when vocab pruning scans the data, the pass's time (from a
         measured sample of rows); the data set's size when the tokenizer and data can be read already."""
         hf_config = self._checkpoint_config(cfg)
-        frozen_dtype = frozen_weights_dtype(cfg.get("frozen_dtype", None), self._dtype, hf_config)
-        model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, frozen_dtype)
+        frozen_dtype = frozen_weights_dtype(self.settings.frozen_dtype, self.settings.dtype, hf_config)
+        model = build_qlora_model(cfg.model, self.settings.dtype, self.settings.adapter_dtype, frozen_dtype)
         lines, datasets = [], []
         try:
             tokenizer = build_tokenizer(cfg.tokenizer)
@@ -1130,10 +1077,12 @@ class QLoRARecipe(FTRecipeInterface):
         except (FileNotFoundError, RuntimeError) as err:
             lines.append(f"  data not readable yet ({str(err)[:160]}): disk counts epoch-end saves only.")
         num_rows = len(datasets[0]) if datasets else None
-        merged_dtype = dtype_or_checkpoints(cfg.get("merged_dtype", None), hf_config)
+        merged_dtype = dtype_or_checkpoints(self.settings.merged_dtype, hf_config)
         lines.append("  " + self._disk_plan(model, cfg.checkpointer.output_dir, num_rows, merged_dtype).format())
         vocab_size = model.tok_embeddings.num_embeddings
-        scan = scan_estimate_line(self._vocab_pruning_cfg, datasets, vocab_size, self.world_size) if datasets else None
+        scan = (
+            scan_estimate_line(self.settings.vocab_pruning, datasets, vocab_size, self.world_size) if datasets else None
+        )
         return lines + ([scan] if scan else [])
 
     # ----------------------------------------------------------------------------------------------- the end
