@@ -8,6 +8,7 @@ from torchtune_ext.distributed import get_full_state_dict
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
 from torchtune_ext.training._builders import build_dataset, build_qlora_model, build_tokenizer
 from torchtune_ext.training._data import shifted_labels
+from torchtune_ext.training._dry_run import RECIPE_ALLOWANCE
 from torchtune_ext.training._export import check_run_folders, export_merged, merge_command
 from torchtune_ext.training._interrupt import InterruptGuard, resume_command
 from torchtune_ext.training._metrics import (
@@ -25,7 +26,7 @@ from torchtune_ext.training._precision import (
     check_param_dtypes,
     default_adapter_dtype,
 )
-from torchtune_ext.training._recipe import RECIPE_ALLOWANCE, QLoRARecipe
+from torchtune_ext.training._recipe import QLoRARecipe
 from torchtune_ext.training._rng import rng_state, set_rng_state
 from torchtune_ext.training._settings import (
     LoRASettings,

@@ -136,11 +136,10 @@ def build_data_loader(
     return sampler, dataloader
 
 
-def pad_batch_(batch: Dict[str, torch.Tensor], multiple: Optional[int], pad_id: int, ignore_index: int) -> None:
-    """Right-pads tokens (``pad_id``) and labels (ignored) to a multiple of ``multiple`` (None: left as they are);
-    causal attention makes the extra positions invisible to the others, so the loss is unchanged. Packed batches
-    are left."""
-    if multiple is None or "mask" in batch:
+def pad_batch_(batch: Dict[str, torch.Tensor], multiple: int, pad_id: int, ignore_index: int) -> None:
+    """Right-pads tokens (``pad_id``) and labels (ignored) to a multiple of ``multiple``; causal attention makes the
+    extra positions invisible to the others, so the loss is unchanged. Packed batches are left."""
+    if "mask" in batch:
         return
     extra = -batch["tokens"].shape[1] % multiple
     if extra:

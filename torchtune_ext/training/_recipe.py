@@ -34,20 +34,17 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
-from torchtune.config._utils import _get_component_from_path
-from torchtune.data import padded_collate_packed
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
@@ -56,25 +53,20 @@ from tqdm import tqdm
 from torchtune_ext.checkpoint import (  # [issue 17] output-dir checks; [issue 25] bounded disk
     RECIPE_STATE_DIRNAME,
     DataPosition,
-    DiskPlan,
     QLoRAHFCheckpointer,
     RecipeState,
     RunIdentity,
     check_output_dir,
     claim_output_dir,
-    count_saves,
     load_base_,
     merge_at_epoch_end,
     plain_rng_state,
-    plan_disk,
-    read_hf_config,
     remove_old_checkpoints,
 )
-from torchtune_ext.config import ConfigError, check_config  # [issue 17]
+from torchtune_ext.config import check_config  # [issue 17]
 from torchtune_ext.distributed import (
     all_reduce_grads,
     all_reduce_sum,
-    check_dataset_size,
     check_nf4_sharding,  # [issue 23]
     clip_grad_norm_,
     get_full_optimizer_state,
@@ -83,18 +75,7 @@ from torchtune_ext.distributed import (
     replicated_params,
     unwrap_key,
 )
-from torchtune_ext.memory import (
-    DeviceAllowance,
-    DryRunTarget,
-    HostMemory,
-    MemoryEstimator,
-    OffloadedActivations,
-    dry_run_target,
-    fit_report,
-    loading_bytes,
-    process_bytes,
-    recipe_step_estimator,
-)
+from torchtune_ext.memory import MemoryEstimator
 from torchtune_ext.models import check_adapter_state, init_adapters_
 from torchtune_ext.modules.loss import LinearCrossEntropyLoss
 from torchtune_ext.modules.rope import share_rope_
@@ -102,16 +83,16 @@ from torchtune_ext.modules.transformer import tile_mlp_
 from torchtune_ext.modules.vocab_pruning import (
     KEPT_IDS_FILENAME,
     VocabPruning,
-    export_full_vocab_state_dict,
     prune_vocab_,
     resolve_kept_ids,
     save_scanned_kept_ids,
-    scan_estimate_line,
 )
 from torchtune_ext.training._activations import activation_offloading
 from torchtune_ext.training._builders import build_dataset, build_qlora_model, build_tokenizer
-from torchtune_ext.training._data import shifted_labels
-from torchtune_ext.training._export import check_run_folders, export_merged, merge_command
+from torchtune_ext.training._checkpointing import disk_plan, exportable, log_dir_name
+from torchtune_ext.training._data import build_data_loader, check_data, pad_batch_, shifted_labels
+from torchtune_ext.training._dry_run import dry_run_report, recipe_memory_estimator
+from torchtune_ext.training._export import check_run_folders, export_merged
 from torchtune_ext.training._interrupt import (
     InterruptGuard,
     continued_metric_logger,
@@ -120,21 +101,13 @@ from torchtune_ext.training._interrupt import (
 )
 from torchtune_ext.training._metrics import Throughput, format_memory_stats, gather_memory_stats, memory_stats
 from torchtune_ext.training._nonfinite import NonFiniteGuard, check_base_finite
-from torchtune_ext.training._precision import (
-    DistributedLossScaler,
-    LossScaler,
-    check_param_dtypes,
-)
-from torchtune_ext.training._rng import rng_state, seed_everything, set_rng_state
+from torchtune_ext.training._precision import DistributedLossScaler, LossScaler, check_param_dtypes
+from torchtune_ext.training._rng import all_rng_states, seed_everything, set_rng_state
 from torchtune_ext.training._settings import LoRASettings, RecipeSettings, dtype_or_checkpoints, frozen_weights_dtype
+from torchtune_ext.training._summary import run_summary
 from torchtune_ext.training._validation import ValidationHistory
 
 log = utils.get_logger("INFO")
-
-#: The dry run's allowance beyond torch's allocator: the CUDA context, and fragmentation of 10% of the transient
-#: peak, since the recipes run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (an assumption until
-#: bench/gpu.sh measures it; torchtune's default allocator with variable-length batches needs about 100%).
-RECIPE_ALLOWANCE = DeviceAllowance(fragmentation=0.1)
 
 
 class QLoRARecipe(FTRecipeInterface):
@@ -226,7 +199,16 @@ class QLoRARecipe(FTRecipeInterface):
         )
         self._generate_base_checkpoint(cfg)
         dataset, val_dataset = self._build_components(cfg)
-        self._check_data(dataset, val_dataset, self.settings.max_seq_len)
+        settings = self.settings
+        check_data(
+            dataset,
+            val_dataset,
+            settings.max_seq_len,
+            self._loss_fn.ignore_index,
+            settings.batch_size,
+            settings.gradient_accumulation_steps,
+            self.world_size,
+        )
         if self.settings.vocab_pruning is not None:
             self._resolve_kept_ids(dataset, val_dataset)
         self._run = self._run_identity(cfg, dataset)  # [issue 24] what a resume must match
@@ -244,7 +226,15 @@ class QLoRARecipe(FTRecipeInterface):
         # From here on, outputs are written.
         self._start_writing(cfg)
         self._save_scanned_kept_ids(dataset, val_dataset)  # [issue 25] a resume reuses the kept-id pass
-        disk = self._disk_plan(self._model, self._checkpointer.output_dir, len(dataset), self._merged_dtype)
+        disk = disk_plan(
+            self.settings,
+            self.world_size,
+            self.max_steps_per_epoch,
+            self._model,
+            self._checkpointer.output_dir,
+            len(dataset),
+            self._merged_dtype,
+        )
         self._info(disk.format())  # [issue 25]
 
         self._load_model(state)
@@ -290,46 +280,6 @@ class QLoRARecipe(FTRecipeInterface):
         dataset = build_dataset(cfg.dataset, self._tokenizer)
         val_cfg = cfg.get("dataset_val", None)
         return dataset, build_dataset(val_cfg, self._tokenizer, "dataset_val") if val_cfg is not None else None
-
-    def _check_data(self, dataset: Any, val_dataset: Optional[Any], max_seq_len: Optional[int]) -> None:
-        """Fails on data that would train on nothing or cannot fill a step on every rank.
-
-        Raises:
-            ValueError: if none of the first samples keeps a label token within ``max_seq_len``, or an epoch has
-                fewer batches per rank than ``gradient_accumulation_steps``.
-        """
-        self._check_samples_have_labels(dataset, max_seq_len)
-        if self.world_size > 1:
-            for data in (dataset, val_dataset):
-                if data is not None:
-                    check_dataset_size(len(data), self.settings.batch_size, self.world_size)
-        batches = len(dataset) // (self.settings.batch_size * self.world_size)
-        if batches < self.settings.gradient_accumulation_steps:
-            raise ConfigError(  # [issue 17] an input error: one line, exit code 2
-                f"The data set gives {batches} batches of batch_size={self.settings.batch_size}"
-                + (" per rank" if self.world_size > 1 else "")
-                + f", fewer than gradient_accumulation_steps={self.settings.gradient_accumulation_steps}: lower "
-                "either.",
-                "gradient_accumulation_steps",
-            )
-
-    def _check_samples_have_labels(self, dataset: Any, max_seq_len: Optional[int], limit: int = 64) -> None:
-        """Fails if none of the first ``limit`` samples keeps a label token after truncation (prompts longer than
-        ``max_seq_len``), which would train on nothing; warns if some do not."""
-        ignore_index = self._loss_fn.ignore_index
-        count = min(len(dataset), limit)
-        empty = [i for i in range(count) if all(int(label) == ignore_index for label in dataset[i]["labels"])]
-        if count and len(empty) == count:
-            raise ConfigError(  # [issue 17] an input error: one line, exit code 2
-                f"None of the first {count} samples of the data set keeps a label token after truncation to "
-                f"tokenizer.max_seq_len={max_seq_len}: their prompts are longer. Raise tokenizer.max_seq_len.",
-                "tokenizer.max_seq_len",
-            )
-        if empty and self._is_rank_zero:
-            log.warning(
-                f"{len(empty)} of the first {count} samples have no label token within tokenizer.max_seq_len="
-                f"{max_seq_len} (e.g. sample {empty[0]}); they do not train."
-            )
 
     def _resolve_kept_ids(self, dataset: Any, val_dataset: Optional[Any]) -> None:
         """Vocab pruning: the kept token ids (a file, else the ids the data uses: one pass shared by the ranks, or
@@ -492,49 +442,20 @@ class QLoRARecipe(FTRecipeInterface):
 
     def _setup_dataloaders(self, cfg: DictConfig, dataset: Any, val_dataset: Optional[Any]) -> None:
         """Training (shuffled per ``cfg.shuffle``, last partial batch dropped) and validation data loaders."""
-        collate_fn = self.settings.collate_fn
-        self._sampler, self._dataloader = self._data_loader(
-            dataset, cfg.dataset, shuffle=cfg.shuffle, collate_fn=collate_fn, drop_last=True
+        loader = partial(
+            build_data_loader,
+            collate_fn=self.settings.collate_fn,
+            batch_size=self.settings.batch_size,
+            seed=self.seed,
+            pad_id=self._tokenizer.pad_id,
+            ignore_index=self._loss_fn.ignore_index,
+            world_size=self.world_size,
+            rank=self.rank,
         )
+        self._sampler, self._dataloader = loader(dataset, cfg.dataset, shuffle=cfg.shuffle, drop_last=True)
         self._val_dataloader = None
         if val_dataset is not None:
-            self._val_dataloader = self._data_loader(
-                val_dataset, cfg.dataset_val, shuffle=False, collate_fn=collate_fn, drop_last=False
-            )[1]
-
-    def _data_loader(
-        self, dataset: Any, cfg_dataset: Any, shuffle: bool, collate_fn: str, drop_last: bool
-    ) -> Tuple[StatefulDistributedSampler, StatefulDataLoader]:
-        packed = (
-            getattr(dataset, "packed", False)
-            if isinstance(cfg_dataset, ListConfig)
-            else cfg_dataset.get("packed", False)
-        )
-        if "left_pad_sequence" in collate_fn:
-            raise RuntimeError("left_pad_sequence collator is only for inference.")
-        collate = _get_component_from_path(collate_fn)
-        # Every rank must run the same number of batches (FSDP's collectives). Training pads the index list to a
-        # multiple of the world size (torchtune's behaviour); validation (no dropped batches) drops the remainder
-        # instead, so that no sample counts twice in the validation loss. One rank: no padding either way.
-        sampler = StatefulDistributedSampler(
-            dataset,
-            num_replicas=self.world_size,
-            rank=self.rank,
-            shuffle=shuffle,
-            seed=self.seed,
-            drop_last=not drop_last,
-        )
-        dataloader = StatefulDataLoader(
-            dataset=dataset,
-            batch_size=self.settings.batch_size,
-            sampler=sampler,
-            collate_fn=padded_collate_packed
-            if packed
-            else partial(collate, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index),
-            # dropping the last partial batch keeps shapes static (compile) and batches comparable
-            drop_last=drop_last,
-        )
-        return sampler, dataloader
+            self._val_dataloader = loader(val_dataset, cfg.dataset_val, shuffle=False, drop_last=False)[1]
 
     def _setup_schedule(self, cfg: DictConfig, state: Optional[RecipeState]) -> None:
         """Steps per epoch (at least one: ``_check_data``), the LR scheduler, and (resuming) the optimizer, loss
@@ -567,16 +488,6 @@ class QLoRARecipe(FTRecipeInterface):
 
     # ----------------------------------------------------------------------------------------------- training
 
-    def _pad_batch(self, batch: Dict[str, torch.Tensor]) -> None:
-        """Right-pads tokens (pad id) and labels (ignored) to a multiple of ``_pad_to_multiple``; causal attention
-        makes the extra positions invisible to the others, so the loss is unchanged. Packed batches are left."""
-        if self._pad_to_multiple is None or "mask" in batch:
-            return
-        extra = -batch["tokens"].shape[1] % self._pad_to_multiple
-        if extra:
-            batch["tokens"] = nn.functional.pad(batch["tokens"], (0, extra), value=self._tokenizer.pad_id)
-            batch["labels"] = nn.functional.pad(batch["labels"], (0, extra), value=self._loss_fn.ignore_index)
-
     def loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The mean loss over the batch's label tokens (0 if it has none): forward and loss, no backward. Override
         it to change the objective (a regulariser, another loss); training and validation both call it (check
@@ -589,7 +500,8 @@ class QLoRARecipe(FTRecipeInterface):
         Returns:
             torch.Tensor: a scalar, the mean over label tokens.
         """
-        self._pad_batch(batch)
+        if self._pad_to_multiple is not None:  # the distributed recipe's sharded vocab pruning
+            pad_batch_(batch, self._pad_to_multiple, self._tokenizer.pad_id, self._loss_fn.ignore_index)
         labels = shifted_labels(batch.pop("labels"), self._loss_fn.ignore_index)
         with self._activation_offloading:
             output = self._model(**batch)  # hidden states for LinearCrossEntropyLoss, else (chunked) logits
@@ -851,17 +763,8 @@ class QLoRARecipe(FTRecipeInterface):
             rng_per_rank=[plain_rng_state(r) for r in rng],
             kept_ids=self._kept_ids,
             checkpoint=self._last_checkpoint.name,
-            metric_log_dir=_log_dir_name(self._metric_logger),  # [issue 17] continued on resume
+            metric_log_dir=log_dir_name(self._metric_logger),  # [issue 17] continued on resume
         )
-
-    def _rng_states(self) -> List[Dict[str, Any]]:
-        """Every rank's RNG states, on every rank. Collective."""
-        states: List[Any] = [None] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(states, rng_state(self.settings.device))
-        else:
-            states = [rng_state(self.settings.device)]
-        return states
 
     def save_checkpoint(self, end_of_epoch: bool = True, full: bool = True) -> None:
         """Saves the adapter (PEFT), then the recipe state (which commits the checkpoint: a resume never starts from a
@@ -883,12 +786,12 @@ class QLoRARecipe(FTRecipeInterface):
             self._model, adapter_weights_only=not save_merged, keep_nf4=True, cpu_offload=self.world_size > 1
         )
         optimizer = get_full_optimizer_state(self._optimizer)
-        rng = self._rng_states()
+        rng = all_rng_states(self.settings.device, self.world_size)
         if self._is_rank_zero:
             adapters = {k: state[k].detach().to("cpu", copy=True) for k in self._adapter_keys}
             # Saved at the end too: a finished run can be extended by raising `epochs` and resuming.
             self._last_checkpoint = self._checkpointer.save(
-                self._exportable(state),
+                exportable(state, self._checkpointer, self._pruning, self._kept_ids),
                 step=self.global_step,
                 adapter_config=self._lora.adapter_config(self._pruning),
                 save_merged=False,  # [issue 24] the merged model comes last, after the recipe state (export_merged)
@@ -902,7 +805,7 @@ class QLoRARecipe(FTRecipeInterface):
             if save_merged:  # [issue 24] skipped if the disk has no room for it; a failed write keeps the above
                 self._merged_note = export_merged(
                     self._checkpointer,
-                    self._exportable(state),
+                    exportable(state, self._checkpointer, self._pruning, self._kept_ids),
                     self.global_step,
                     self._lora.adapter_config(self._pruning),
                     self._merged_dtype,  # [issue 18] merged_dtype
@@ -924,41 +827,14 @@ class QLoRARecipe(FTRecipeInterface):
         """The last checkpoint this run wrote (None before its first save)."""
         return getattr(self, "_last_checkpoint", None)
 
-    def _disk_plan(
-        self, model: nn.Module, output_dir: str, num_rows: Optional[int], merged_dtype: torch.dtype
-    ) -> DiskPlan:
-        """[issue 25] The disk this run will use (``model``: as built, unpruned; ``num_rows``: the training rows,
-        None: unknown, epoch-end saves only; ``merged_dtype``: the merged export's)."""
-        steps = self.max_steps_per_epoch or 0
-        if num_rows is not None:
-            steps = num_rows // (self.settings.batch_size * self.world_size * self.settings.gradient_accumulation_steps)
-            steps = min(steps, self.max_steps_per_epoch or steps)
-        return plan_disk(
-            model,
-            output_dir,
-            saves=count_saves(
-                self.settings.epochs, steps, self.settings.save_every_n_steps if num_rows is not None else None
-            ),
-            keep_last_n=self.settings.keep_last_n,
-            merged_dtype=None if self.settings.save_adapter_weights_only else merged_dtype,
-            epochs=self.settings.epochs,
-            merge_every_epoch=self.settings.merge_every_epoch,
-        )
-
-    def _exportable(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """A full state dict under the unpruned model's keys and shapes (the trained rows written into the base's
-        full-vocabulary tensors)."""
-        if self._pruning is None:
-            return state_dict
-        return export_full_vocab_state_dict(state_dict, self._checkpointer.read_vocab(), self._kept_ids)
-
     # ----------------------------------------------------------------------------------------------- dry run
 
     def memory_estimator(self, cfg: DictConfig, model: Optional[nn.Module] = None) -> MemoryEstimator:
         """This recipe's training step for its config, ready to estimate on fake tensors: the model built from
         ``model:`` on the meta device and prepared as for training (trainable adapters, activation checkpointing,
-        the loss, activation offloading), and this recipe's own micro-batch and optimizer step. Needs no
-        checkpoint, no data and no GPU (vocab pruning and compile are left out).
+        the loss, activation offloading), and this recipe's own micro-batch and optimizer step, run on a copy of the
+        recipe (``torchtune_ext.memory.recipe_step_estimator``: this one is never rewritten). Needs no checkpoint,
+        no data and no GPU (vocab pruning and compile are left out).
 
         Args:
             cfg (DictConfig): the recipe config.
@@ -968,54 +844,7 @@ class QLoRARecipe(FTRecipeInterface):
         Returns:
             MemoryEstimator: call ``estimate(batch_size, seq_len)`` or ``max_seq_len_that_fits(gib)``.
         """
-        hf_config = self._checkpoint_config(cfg)
-        frozen_dtype = frozen_weights_dtype(self.settings.frozen_dtype, self.settings.dtype, hf_config)
-        fake = model is None
-        if fake:
-            model = build_qlora_model(cfg.model, self.settings.dtype, self.settings.adapter_dtype, frozen_dtype)
-
-        # [issue 16] The estimate binds its model, loss and optimizer to its own copy of this recipe (never to self).
-        def bind(step: QLoRARecipe, step_model: nn.Module, loss_fn: Any) -> None:
-            step._model, step._loss_fn, step._frozen_dtype = step_model, loss_fn, frozen_dtype
-            step.settings = replace(step.settings, compile=False)
-            # On fake CPU tensors; what the device would hold is what the estimate counts.
-            step._loss_scaler = LossScaler(
-                step.settings.dtype == torch.float16, torch.device("cpu"), **cfg.get("loss_scaler", {})
-            )
-            if step.settings.enable_activation_offloading:
-                step._activation_offloading = OffloadedActivations()
-            step._prepare_model(step_model)
-            step._parallelize()  # [issue 19] FSDP2 on a fake process group (a per-rank dry run); no-op on one rank
-            step._setup_loss()
-
-        def optimizer(step: QLoRARecipe, step_model: nn.Module) -> torch.optim.Optimizer:
-            step._trainable_params = [p for p in step_model.parameters() if p.requires_grad]
-            step._replicated_params = []
-            step._optimizer = config.instantiate(cfg.optimizer, step._trainable_params)
-            step._lr_scheduler = config.instantiate(cfg.lr_scheduler, step._optimizer, num_training_steps=1)
-            return step._optimizer
-
-        return recipe_step_estimator(
-            self,
-            model,
-            bind=bind,
-            optimizer=optimizer,
-            loss_fn=config.instantiate(cfg.loss),
-            activation_checkpointing=self.settings.enable_activation_checkpointing,
-            dtype=self.settings.dtype,
-            gradient_accumulation_steps=self.settings.gradient_accumulation_steps,
-            allowance=RECIPE_ALLOWANCE,
-            fake=fake,
-        )
-
-    def _checkpoint_config(self, cfg: DictConfig) -> Dict[str, Any]:
-        """The base checkpoint's ``config.json`` if it is there already, else a bf16 one (every supported model's HF
-        checkpoint is bf16): a dry run is for before the download."""
-        path = Path(str(cfg.checkpointer.get("checkpoint_dir", ""))) / "config.json"
-        if path.is_file():
-            return read_hf_config(path.parent)
-        self._info(f"{path} not found: assuming a bf16 checkpoint (set frozen_dtype to say otherwise).")
-        return {"dtype": "bfloat16"}
+        return recipe_memory_estimator(self, cfg, model)
 
     def dry_run(self, cfg: DictConfig) -> str:
         """Estimates the peak device memory of this config's training step without loading weights or data, and
@@ -1031,59 +860,9 @@ class QLoRARecipe(FTRecipeInterface):
         Raises:
             ValueError: without ``tokenizer.max_seq_len``.
         """
-        seq_len = self.settings.max_seq_len
-        if seq_len is None:
-            raise ValueError("dry_run=True estimates batches padded to tokenizer.max_seq_len: set it.")
-        target = dry_run_target(
-            cfg, self.settings.device, self.settings.dtype
-        )  # [issue 19] device profile, host, headroom
-        estimator = self.memory_estimator(cfg)
-        estimator.attention_backend = target.profile.sdpa_backend(self.settings.dtype) if target.profile else None
-        estimate = estimator.estimate(self.settings.batch_size, seq_len)
-        lines = [
-            estimate.format(),
-            f"  settings: dtype={self.settings.dtype}, frozen embedding/output in "
-            f"{estimator.model.tok_embeddings.weight.dtype}, "
-            f"activation checkpointing {self.settings.enable_activation_checkpointing}, activation offloading "
-            f"{self.settings.enable_activation_offloading}, tiled_mlp_tokens={self.settings.tiled_mlp_tokens}, "
-            f"loss {type(estimator.loss_fn).__name__}, "
-            f"gradient_accumulation_steps={self.settings.gradient_accumulation_steps}",
-        ]
-        lines += self._dry_run_costs(cfg)  # [issue 25]
-        lines += self._dry_run_fits(cfg, estimator, estimate, target)  # [issue 19]
-        report = "\n".join(lines)
+        report = dry_run_report(self, cfg)
         print(report, flush=True)
         return report
-
-    def _dry_run_fits(self, cfg: DictConfig, estimator: Any, estimate: Any, target: DryRunTarget) -> List[str]:
-        """[issue 19] Whether the step fits the card and the host (with the headroom), and the longest that does."""
-        checkpoint_dtype = dtype_or_checkpoints(None, self._checkpoint_config(cfg))
-        loading = loading_bytes(estimator.model, checkpoint_dtype, self.settings.dtype)
-        host = HostMemory(process_bytes(), loading, estimate.pinned_host_bytes)
-        return [f"  {line}" for line in fit_report(estimator, estimate, target, host, self.settings.batch_size)]
-
-    def _dry_run_costs(self, cfg: DictConfig) -> List[str]:
-        """[issue 25] The disk the run will use and, when vocab pruning scans the data, the pass's time (from a
-        measured sample of rows); the data set's size when the tokenizer and data can be read already."""
-        hf_config = self._checkpoint_config(cfg)
-        frozen_dtype = frozen_weights_dtype(self.settings.frozen_dtype, self.settings.dtype, hf_config)
-        model = build_qlora_model(cfg.model, self.settings.dtype, self.settings.adapter_dtype, frozen_dtype)
-        lines, datasets = [], []
-        try:
-            tokenizer = build_tokenizer(cfg.tokenizer)
-            datasets = [build_dataset(cfg.dataset, tokenizer)]
-            if cfg.get("dataset_val", None) is not None:
-                datasets.append(build_dataset(cfg.dataset_val, tokenizer, "dataset_val"))
-        except (FileNotFoundError, RuntimeError) as err:
-            lines.append(f"  data not readable yet ({str(err)[:160]}): disk counts epoch-end saves only.")
-        num_rows = len(datasets[0]) if datasets else None
-        merged_dtype = dtype_or_checkpoints(self.settings.merged_dtype, hf_config)
-        lines.append("  " + self._disk_plan(model, cfg.checkpointer.output_dir, num_rows, merged_dtype).format())
-        vocab_size = model.tok_embeddings.num_embeddings
-        scan = (
-            scan_estimate_line(self.settings.vocab_pruning, datasets, vocab_size, self.world_size) if datasets else None
-        )
-        return lines + ([scan] if scan else [])
 
     # ----------------------------------------------------------------------------------------------- the end
 
@@ -1095,71 +874,20 @@ class QLoRARecipe(FTRecipeInterface):
             return
         self._metric_logger.close()
         self._output_lock.release()  # [issue 17]
-        print(self._summary(memory), flush=True)
-
-    def _summary(self, memory: Dict[str, float]) -> str:
-        log_dir = getattr(self._metric_logger, "log_dir", None)
-        checkpoint: Optional[Path] = getattr(self, "_last_checkpoint", None)
-        lines = ["", "Done." if self.world_size == 1 else f"Done ({self.world_size} ranks)."]
-        if self.loss_history:
-            lines.append(
-                f"  loss: {self.loss_history[0]:.4f} (step {self._first_step_of_run}) -> "
-                f"{self.loss_history[-1]:.4f} (step {self.global_step})"
-            )
-        lines += self._val_history.summary_lines()  # [issue 18]
-        lines.append(f"  peak memory:         {_peak_memory_line(memory)}")
-        lines += self._guard.summary()  # [issue 24] fp16: skipped steps
-        if self._train_seconds > 0:
-            lines.append(
-                f"  tokens/s (mean):     {self._train_tokens / self._train_seconds:,.0f} label tokens/s over "
-                f"{self.global_step - self._first_step_of_run + 1} steps"
-                + (f" ({self.world_size} ranks together)" if self.world_size > 1 else "")
-            )
-        if checkpoint is not None:
-            lines.append(f"  adapter (PEFT):      {checkpoint / 'adapter'}")
-            if (checkpoint / "merged").is_dir():
-                lines.append(f"  merged model (HF):   {checkpoint / 'merged'}")
-            elif getattr(self, "_merged_note", None):  # [issue 24]
-                lines.append(f"  merged model:        skipped: {self._merged_note}")
-        if (self._checkpointer.output_dir / "recipe_state").is_dir():
-            lines.append(f"  resumable state:     {self._checkpointer.output_dir / 'recipe_state'}")
-        if log_dir is not None:
-            lines.append(f"  TensorBoard logs:    {log_dir}  (tensorboard --logdir {log_dir})")
-        if checkpoint is not None:
-            lines += self._next_steps(checkpoint)
-        return "\n".join(lines)
-
-    def _next_steps(self, checkpoint: Path) -> List[str]:
-        """What a user does with a finished run, as commands."""
-        base = self._checkpointer.checkpoint_dir
-        lines = [
-            "Next:",
-            f"  answer prompts:      tune-ext generate --config <model>/<size>_generation "
-            f'checkpointer.checkpoint_dir={base} adapter_dir={checkpoint / "adapter"} prompt="..." '
-            "(`tune-ext ls` lists the generation configs)",
-        ]
-        if not (checkpoint / "merged").is_dir():
-            lines.append(f"  merge it:            {merge_command(base, checkpoint)}")
-        lines.append("  train further:       the same command with resume_from_checkpoint=True and a larger epochs")
-        return lines
-
-
-def _peak_memory_line(memory: Dict[str, float]) -> str:
-    """The largest value of each memory figure over the ranks (``name`` or ``name/rank<r>`` keys), in GiB."""
-    peaks: Dict[str, float] = {}
-    for key, value in memory.items():
-        name = key.split("/")[0]
-        peaks[name] = max(peaks.get(name, 0.0), value)
-    parts = []
-    if "peak_memory_alloc" in peaks:
-        parts.append(
-            f"{peaks['peak_memory_alloc']:.2f} GiB allocated, {peaks['peak_memory_reserved']:.2f} GiB reserved"
+        summary = run_summary(
+            world_size=self.world_size,
+            losses=self.loss_history,
+            first_step=getattr(self, "_first_step_of_run", self.global_step + 1),
+            last_step=self.global_step,
+            validation=self._val_history,
+            memory=memory,
+            guard=self._guard,
+            train_tokens=self._train_tokens,
+            train_seconds=self._train_seconds,
+            checkpoint=self._last_saved(),
+            merged_note=getattr(self, "_merged_note", None),
+            output_dir=self._checkpointer.output_dir,
+            base_dir=self._checkpointer.checkpoint_dir,
+            log_dir=getattr(self._metric_logger, "log_dir", None),
         )
-    parts.append(f"{peaks['peak_rss']:.2f} GiB host RSS")
-    return " | ".join(parts) + (" (max over ranks)" if any("/" in key for key in memory) else "")
-
-
-def _log_dir_name(metric_logger: Any) -> Optional[str]:
-    """The metric logger's folder as a plain string (a recipe state holds plain data only), if it has one."""
-    log_dir = getattr(metric_logger, "log_dir", None)
-    return None if log_dir is None else str(log_dir)
+        print(summary, flush=True)

@@ -1,10 +1,11 @@
 """RNG state: seeding every stream the recipes draw from, and the states a resume restores bit-exactly."""
 
 import random
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
 def seed_everything(seed: int) -> None:
@@ -40,3 +41,20 @@ def set_rng_state(state: Dict[str, Any], device: torch.device) -> None:
     np.random.set_state(state["numpy"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def all_rng_states(device: torch.device, world_size: int) -> List[Dict[str, Any]]:
+    """Every rank's :func:`rng_state`, on every rank. Collective on several ranks.
+
+    Args:
+        device (torch.device): the training device.
+        world_size (int): the number of ranks.
+
+    Returns:
+        List[Dict[str, Any]]: the states, by rank.
+    """
+    if world_size == 1:
+        return [rng_state(device)]
+    states: List[Any] = [None] * world_size
+    dist.all_gather_object(states, rng_state(device))
+    return states
