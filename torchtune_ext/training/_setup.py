@@ -428,7 +428,7 @@ class RecipeSetup(FTRecipeInterface):
             self._val_dataloader = loader(val_dataset, cfg.dataset_val, shuffle=False, drop_last=False)[1]
 
     def _setup_schedule(self, cfg: DictConfig, state: Optional[RecipeState]) -> None:
-        """Steps per epoch (at least one: ``_check_data``), the LR scheduler, and (resuming) the optimizer, loss
+        """Steps per epoch (at least one: ``check_data``), the LR scheduler, and (resuming) the optimizer, loss
         scaler, data and RNG positions."""
         self._steps_per_epoch = len(self._dataloader) // self.settings.gradient_accumulation_steps
         if self.max_steps_per_epoch is not None:
