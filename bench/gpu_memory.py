@@ -83,7 +83,7 @@ def _checkpoint(cfg, cache: Path) -> Path:
 
 
 def _measure(recipe, cfg, batch: int, seq: int, steps: int) -> tuple:
-    device = recipe._device
+    device = recipe.settings.device
     recipe.setup(cfg)
     vocab = recipe._model.tok_embeddings.num_embeddings
     if device.type == "cuda":

@@ -35,6 +35,7 @@ file name plus ``--nproc_per_node``), with these additions:
 
 import os
 import sys
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -81,21 +82,21 @@ class QLoRAFinetuneRecipeDistributed(QLoRARecipe):
         self.world_size = launched_world_size()
         self.rank = int(os.environ["RANK"])
         super().__init__(cfg)
-        self._batch_size = per_rank_batch_size(
-            positive_int(cfg, "batch_size", 1), positive_int(cfg, "global_batch_size", None), self.world_size
-        )
+        global_batch_size = positive_int(cfg, "global_batch_size", None)
+        batch_size = per_rank_batch_size(self.settings.batch_size, global_batch_size, self.world_size)
+        self.settings = replace(self.settings, batch_size=batch_size)  # per rank
         self._fsdp_cpu_offload = bool(cfg.get("fsdp_cpu_offload", False))
-        check_fsdp_cpu_offload(self._fsdp_cpu_offload, self._device, self.world_size)
+        check_fsdp_cpu_offload(self._fsdp_cpu_offload, self.settings.device, self.world_size)
         self._reshard_after_forward = bool(cfg.get("fsdp_reshard_after_forward", True))
         self._process_group_timeout_s = cfg.get("process_group_timeout_s", 1800)
 
     def _parallelize(self) -> None:
         """FSDP2 per decoder layer in the compute dtype (fp32 gradient reduction), the vocab-pruning module sharded
         on its own in fp32 or replicated."""
-        pruning_cfg = self._vocab_pruning_cfg
+        pruning_cfg = self.settings.vocab_pruning
         shard_model(
             self._model,
-            dtype=self._dtype,
+            dtype=self.settings.dtype,
             vocab_pruning=self._pruning,
             vocab_pruning_sharding=pruning_cfg["sharding"] if pruning_cfg is not None else "sharded",
             reshard_after_forward=self._reshard_after_forward,
@@ -108,7 +109,7 @@ class QLoRAFinetuneRecipeDistributed(QLoRARecipe):
 
     def _setup_loss(self) -> None:
         super()._setup_loss()
-        pruning_cfg = self._vocab_pruning_cfg
+        pruning_cfg = self.settings.vocab_pruning
         chunked = isinstance(self._loss_fn, CEWithChunkedOutputLoss)
         if chunked and pruning_cfg is not None and pruning_cfg["sharding"] == "sharded":
             # torchtune's loss: the output is projected chunk by chunk, each chunk a call of the pruning module's
@@ -127,7 +128,7 @@ def recipe_main(cfg: DictConfig) -> None:
         per_rank_dry_run(QLoRAFinetuneRecipeDistributed, cfg)  # [issue 19] each rank's peak, no launcher needed
         return
     recipe = QLoRAFinetuneRecipeDistributed(cfg=cfg)
-    init_distributed(recipe._device, recipe._process_group_timeout_s)
+    init_distributed(recipe.settings.device, recipe._process_group_timeout_s)
     try:
         recipe.setup(cfg=cfg)
         recipe.train()

@@ -173,6 +173,8 @@ def _interrupt_and_resume(tmp_path: Path, base: Path, reference: Path, sig: int,
     assert command[-1] == "resume_from_checkpoint=True"
     resumed = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
+    resumed_line = f"resumed from step {step} (epoch {epoch}, batch {match.group(3)})"  # the step it stopped at
+    assert resumed_line in resumed.stdout + resumed.stderr, resumed.stdout[-3000:] + resumed.stderr[-6000:]
 
     assert len(_tensorboard_runs(out)) == 1, _tensorboard_runs(out)
     losses, reference_losses = _losses(out), _losses(reference)

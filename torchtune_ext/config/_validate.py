@@ -32,15 +32,15 @@ def validate(cfg: DictConfig) -> List[str]:
     dry_run = bool(cfg.get("dry_run", False))
     check_config(cfg, dry_run=dry_run)
     done = ["keys, value ranges" + ("" if dry_run else ", device, tokenizer and data files, data columns")]
-    recipe = QLoRARecipe(cfg)
-    done.append(f"recipe settings (dtype {recipe._dtype}, batch_size {recipe._batch_size})")
+    settings = QLoRARecipe(cfg).settings
+    done.append(f"recipe settings (dtype {settings.dtype}, batch_size {settings.batch_size})")
     checkpoint_dir = Path(str(cfg.checkpointer.get("checkpoint_dir", "")))
     if cfg.get("generate_base_checkpoint", None) is not None and not checkpoint_dir.is_dir():
         done.append(f"checkpoint: {checkpoint_dir} is written on the first run (generate_base_checkpoint)")
         return done
     checkpointer = config.instantiate(cfg.checkpointer)
-    frozen = frozen_weights_dtype(cfg.get("frozen_dtype", None), recipe._dtype, checkpointer.hf_config)
-    model = build_qlora_model(cfg.model, recipe._dtype, recipe._adapter_dtype, frozen)
+    frozen = frozen_weights_dtype(settings.frozen_dtype, settings.dtype, checkpointer.hf_config)
+    model = build_qlora_model(cfg.model, settings.dtype, settings.adapter_dtype, frozen)
     checkpointer.validate(model)
     done.append(f"model {cfg.model._component_} (meta) matches the checkpoint headers in {checkpoint_dir}")
     return done

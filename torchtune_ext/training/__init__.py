@@ -6,6 +6,9 @@ from torchtune_ext._dtype import DTYPES, is_bf16_supported, parse_dtype
 # torchtune.training re-exports its distributed state-dict helpers; ours live in torchtune_ext.distributed.
 from torchtune_ext.distributed import get_full_state_dict
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
+from torchtune_ext.training._builders import build_dataset, build_qlora_model, build_tokenizer
+from torchtune_ext.training._data import shifted_labels
+from torchtune_ext.training._dry_run import RECIPE_ALLOWANCE
 from torchtune_ext.training._export import check_run_folders, export_merged, merge_command
 from torchtune_ext.training._interrupt import InterruptGuard, resume_command
 from torchtune_ext.training._metrics import (
@@ -23,18 +26,14 @@ from torchtune_ext.training._precision import (
     check_param_dtypes,
     default_adapter_dtype,
 )
-from torchtune_ext.training._recipe import RECIPE_ALLOWANCE, QLoRARecipe
+from torchtune_ext.training._recipe import QLoRARecipe
+from torchtune_ext.training._rng import rng_state, set_rng_state
 from torchtune_ext.training._settings import (
     LoRASettings,
-    build_dataset,
-    build_qlora_model,
-    build_tokenizer,
+    RecipeSettings,
     dtype_or_checkpoints,
     frozen_weights_dtype,
     positive_int,
-    rng_state,
-    set_rng_state,
-    shifted_labels,
 )
 
 __all__ = [
@@ -47,6 +46,7 @@ __all__ = [
     "NonFiniteError",
     "NonFiniteGuard",
     "QLoRARecipe",
+    "RecipeSettings",
     "Throughput",
     "activation_offloading",
     "build_dataset",

@@ -1,20 +1,12 @@
-"""The QLoRA recipe, whatever the number of ranks: setup, training loop, checkpoints, resume and the end-of-run summary.
+"""The QLoRA recipe, whatever the number of ranks: the training loop, its step, checkpoints and the end of the run.
 
 ``recipes/qlora_finetune_single_device.py`` and ``recipes/qlora_finetune_distributed.py`` subclass
 :class:`QLoRARecipe`: the single-device recipe as it is (one rank, no process group), the distributed one with the
 process group, per-rank batch sizes and FSDP2 sharding (:meth:`QLoRARecipe._parallelize`). Every library call below
-works on one rank and on many, so both recipes run the same code:
+works on one rank and on many, so both recipes run the same code. The setup, in order, is
+:class:`torchtune_ext.training._setup.RecipeSetup` (``_setup.py``); the dry run is ``_dry_run.py``.
 
-setup (:meth:`QLoRARecipe.setup`), in this order; nothing is written before step 4:
-    1. seed; settings and every config check that is cheap (:meth:`_read_settings`, in ``__init__``)
-    2. the model on the meta device, checked against the checkpoint's headers; tokenizer, loss, data sets
-    3. data checks (labels within ``max_seq_len``, enough batches), vocab-pruning ids, the resumed recipe state
-    4. stale temporaries of killed writes removed, metric logger opened
-    5. the model: vocab pruning (meta), trainable params, activation checkpointing, compile, sharding, the base
-       streamed in and quantized (``load_base_``), adapters initialised or resumed (``init_adapters_``)
-    6. optimizer (resumed), loss scaler, data loaders (resumed position), LR schedule
-
-one optimizer step (:meth:`QLoRARecipe.train`): for each of ``gradient_accumulation_steps`` micro-batches, the loss
+One optimizer step (:meth:`QLoRARecipe.train`): for each of ``gradient_accumulation_steps`` micro-batches, the loss
 (a mean over label tokens) times the micro-batch's label-token count, scaled (fp16) and back-propagated; then the
 gradients are divided by the step's global label-token count (all ranks, all micro-batches), unscaled, clipped, and
 the optimizer steps (unless fp16 overflowed); logs, validation and checkpoints follow at their intervals.
@@ -30,141 +22,55 @@ drift), and a recipe file that imported another recipe would be loaded twice und
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import random
 import time
-from functools import partial
 from pathlib import Path
-from typing import Any, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 from torch import nn
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-from torchtune import config, modules, training, utils
-from torchtune.config._utils import _get_component_from_path
-from torchtune.data import padded_collate_packed
-from torchtune.modules.loss import CEWithChunkedOutputLoss
-from torchtune.modules.peft import get_adapter_params, set_trainable_params
-from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune import utils
 from tqdm import tqdm
 
-from torchtune_ext._dtype import parse_dtype
-from torchtune_ext.checkpoint import (  # [issue 17] output-dir checks; [issue 25] bounded disk
-    DEFAULT_KEEP_LAST_N,
-    MERGE_BASES,
-    RECIPE_STATE_DIRNAME,
+from torchtune_ext.checkpoint import (
     DataPosition,
-    DiskPlan,
-    QLoRAHFCheckpointer,
     RecipeState,
-    RunIdentity,
-    check_output_dir,
-    claim_output_dir,
-    count_saves,
-    load_base_,
     merge_at_epoch_end,
-    parse_keep_last_n,
     plain_rng_state,
-    plan_disk,
-    read_hf_config,
     remove_old_checkpoints,
 )
-from torchtune_ext.config import ConfigError, check_config  # [issue 17]
 from torchtune_ext.distributed import (
     all_reduce_grads,
     all_reduce_sum,
-    check_dataset_size,
-    check_nf4_sharding,  # [issue 23]
     clip_grad_norm_,
     get_full_optimizer_state,
     get_full_state_dict,
-    load_full_optimizer_state,
-    replicated_params,
-    unwrap_key,
 )
-from torchtune_ext.memory import (
-    DeviceAllowance,
-    DryRunTarget,
-    HostMemory,
-    MemoryEstimator,
-    OffloadedActivations,
-    dry_run_target,
-    fit_report,
-    loading_bytes,
-    process_bytes,
-    recipe_step_estimator,
-)
-from torchtune_ext.models import check_adapter_state, init_adapters_
+from torchtune_ext.memory import MemoryEstimator
 from torchtune_ext.modules.loss import LinearCrossEntropyLoss
-from torchtune_ext.modules.rope import share_rope_
-from torchtune_ext.modules.transformer import tile_mlp_
-from torchtune_ext.modules.vocab_pruning import (
-    KEPT_IDS_FILENAME,
-    VocabPruning,
-    export_full_vocab_state_dict,
-    parse_vocab_pruning,
-    prune_vocab_,
-    resolve_kept_ids,
-    save_scanned_kept_ids,
-    scan_estimate_line,
-)
-from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
-from torchtune_ext.training._export import check_run_folders, export_merged, merge_command
-from torchtune_ext.training._interrupt import (
-    InterruptGuard,
-    continued_metric_logger,
-    interrupted_message,
-    resume_command,
-)
-from torchtune_ext.training._metrics import Throughput, format_memory_stats, gather_memory_stats, memory_stats
-from torchtune_ext.training._nonfinite import NonFiniteGuard, check_base_finite
-from torchtune_ext.training._precision import (
-    DistributedLossScaler,
-    LossScaler,
-    check_param_dtypes,
-    default_adapter_dtype,
-)
-from torchtune_ext.training._settings import (
-    LoRASettings,
-    build_dataset,
-    build_qlora_model,
-    build_tokenizer,
-    dtype_or_checkpoints,
-    frozen_weights_dtype,
-    positive_int,
-    rng_state,
-    set_rng_state,
-    shifted_labels,
-)
-from torchtune_ext.training._validation import ValidationHistory
+from torchtune_ext.training._checkpointing import exportable, log_dir_name
+from torchtune_ext.training._data import pad_batch_, shifted_labels
+from torchtune_ext.training._dry_run import dry_run_report, recipe_memory_estimator
+from torchtune_ext.training._export import export_merged
+from torchtune_ext.training._interrupt import InterruptGuard, interrupted_message, resume_command
+from torchtune_ext.training._metrics import Throughput
+from torchtune_ext.training._rng import all_rng_states, set_rng_state
+from torchtune_ext.training._setup import RecipeSetup
+from torchtune_ext.training._summary import run_summary
 
 log = utils.get_logger("INFO")
 
-#: The dry run's allowance beyond torch's allocator: the CUDA context, and fragmentation of 10% of the transient
-#: peak, since the recipes run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (an assumption until
-#: bench/gpu.sh measures it; torchtune's default allocator with variable-length batches needs about 100%).
-RECIPE_ALLOWANCE = DeviceAllowance(fragmentation=0.1)
 
-
-def _seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-
-
-class QLoRARecipe(FTRecipeInterface):
-    """QLoRA fine-tuning on one rank or many; see the module docstring for the order of setup and the training step.
+class QLoRARecipe(RecipeSetup):
+    """QLoRA fine-tuning on one rank or many: the setup of :class:`RecipeSetup`, then the loop and step of the
+    module docstring.
 
     Subclass it to hack the step: override :meth:`loss_step`, :meth:`forward_backward` or :meth:`optimizer_step`
     (``recipes/qlora_finetune_single_device.py`` shows how). They read the components set up by :meth:`setup`:
     ``self._model``, ``self._loss_fn``, ``self._optimizer``, ``self._trainable_params``, ``self._loss_scaler``,
-    ``self._lr_scheduler`` (the attributes listed below).
+    ``self._lr_scheduler`` (the attributes listed in :class:`RecipeSetup`).
 
     Args:
         cfg (DictConfig): the parsed config.
@@ -174,471 +80,7 @@ class QLoRARecipe(FTRecipeInterface):
         RuntimeError: on bf16 where the device does not support it.
     """
 
-    # ------------------------------------------------------------------------------------- the recipe's attributes
-    world_size: int = 1
-    rank: int = 0
-    # settings (``_read_settings``)
-    _device: torch.device
-    _dtype: torch.dtype  # compute dtype
-    _adapter_dtype: torch.dtype  # LoRA/DoRA params (fp32 masters under fp16)
-    _frozen_dtype: torch.dtype  # storage of the frozen weights that are not NF4 (embedding, output)
-    _batch_size: int  # per rank
-    _gradient_accumulation_steps: int
-    _clip_grad_norm: Optional[float]
-    _merge_base: str  # "nf4" | "original"
-    # components (``_build_components``)
-    _checkpointer: QLoRAHFCheckpointer
-    _lora: LoRASettings
-    _model: nn.Module
-    _tokenizer: Any
-    _loss_fn: nn.Module
-    # vocab pruning: settings, kept ids, module
-    _vocab_pruning_cfg: Optional[Dict[str, Any]]
-    _kept_ids: Optional[List[int]]
-    _pruning: Optional[VocabPruning]
-    # training state
-    _adapter_params: Dict[str, nn.Parameter]  # get_adapter_params(model): LoRA/DoRA params and trained pruned rows
-    _adapter_keys: List[str]  # their unwrapped keys, in the same order
-    _trainable_params: List[nn.Parameter]  # the optimizer's params, in that order
-    _replicated_params: List[nn.Parameter]  # trainable params every rank holds whole (all of them on one rank)
-    _optimizer: torch.optim.Optimizer
-    _loss_scaler: LossScaler
-    _lr_scheduler: Any
-    _sampler: StatefulDistributedSampler
-    _dataloader: StatefulDataLoader
-    _val_dataloader: Optional[StatefulDataLoader]
-    seed: int
-    epochs_run: int
-    global_step: int
-    _steps_in_epoch_done: int
-    loss_history: List[float]
-
-    def __init__(self, cfg: DictConfig) -> None:
-        # A dry run estimates for the configured device type, which this machine need not have.
-        self._dry_run = bool(cfg.get("dry_run", False))
-        check_config(cfg, dry_run=self._dry_run)  # [issue 17] keys, ranges, device, files: before anything is done
-        if not self._dry_run and str(cfg.device).startswith("cuda"):
-            # Before CUDA allocates: growable segments instead of fixed blocks leave little fragmentation when
-            # batch shapes vary (the memory estimate's allowance assumes it; the user's own setting is kept).
-            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        self._device = torch.device(cfg.device) if self._dry_run else utils.get_device(device=cfg.device)
-        self._dtype = parse_dtype(cfg.get("dtype", "fp32"), None if self._dry_run else self._device)
-        self._adapter_dtype = default_adapter_dtype(self._dtype, cfg.get("adapter_dtype", None))
-        self._batch_size = positive_int(cfg, "batch_size", 1)
-        self._read_settings(cfg)
-
-    def _read_settings(self, cfg: DictConfig) -> None:
-        """Reads and checks the settings both recipes take.
-
-        Args:
-            cfg (DictConfig): the recipe config.
-
-        Raises:
-            ValueError: on a non-positive count, an unknown ``merge_base``, or ``enable_activation_offloading`` off
-                CUDA.
-        """
-        self._log_every_n_steps = positive_int(cfg, "log_every_n_steps", 1)
-        self._gradient_accumulation_steps = positive_int(cfg, "gradient_accumulation_steps", 1)
-        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
-        self.total_epochs = positive_int(cfg, "epochs", 1)
-        self.max_steps_per_epoch = positive_int(cfg, "max_steps_per_epoch", None)
-        self._stop_after_step = positive_int(cfg, "stop_after_step", None)
-        self._save_every_n_steps = positive_int(cfg, "save_every_n_steps", None)
-        self._run_val_every_n_steps = positive_int(cfg, "run_val_every_n_steps", None)
-        self._max_validation_steps = positive_int(cfg, "max_validation_steps", None)
-        self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
-        self._overwrite_output_dir = bool(cfg.get("overwrite_output_dir", False))  # [issue 17]
-        self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
-        self._keep_last_n = parse_keep_last_n(cfg.get("keep_last_n_checkpoints", DEFAULT_KEEP_LAST_N))  # [issue 25]
-        self._merge_every_epoch = bool(cfg.get("merge_every_epoch", False))  # [issue 25]
-        self._merge_base = cfg.get("merge_base", "nf4")
-        if self._merge_base not in MERGE_BASES:
-            raise ConfigError(  # [issue 17] a config error: one line, exit code 2
-                f"merge_base={self._merge_base!r} is not supported; use merge_base=nf4 (merge onto the NF4 base the "
-                "adapter was trained on: exactly the trained model) or merge_base=original (onto the checkpoint's "
-                "own weights).",
-                "merge_base",
-            )
-        self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
-        self._enable_activation_offloading = cfg.get("enable_activation_offloading", False)
-        self._tiled_mlp_tokens = positive_int(cfg, "tiled_mlp_tokens", None)
-        self._rope_seq_len = cfg.get("tokenizer", {}).get("max_seq_len", None)  # [issue 25] RoPE cache length
-        if not self._dry_run:
-            check_activation_offloading(self._enable_activation_offloading, self._device)
-        self._activation_offloading: ContextManager = contextlib.nullcontext()
-        self._compile = cfg.get("compile", False)
-        self._vocab_pruning_cfg = parse_vocab_pruning(cfg.get("vocab_pruning", None))
-        self._pruning = None
-        self._kept_ids = None
-        self._pad_to_multiple: Optional[int] = None
-        self.epochs_run = 0
-        self.global_step = 0
-        self._steps_in_epoch_done = 0
-        self.loss_history = []
-        self._val_history = ValidationHistory()  # [issue 18] validation loss on the console and in the summary
-        self._train_tokens = 0.0
-        self._train_seconds = 0.0
-
-    @property
-    def _is_rank_zero(self) -> bool:
-        return self.rank == 0
-
-    def _info(self, message: str) -> None:
-        utils.log_rank_zero(log, message)
-
-    # ---------------------------------------------------------------------------------------------------- setup
-
-    def setup(self, cfg: DictConfig) -> None:
-        """Builds everything in the order of the module docstring; nothing is written under ``output_dir`` before
-        the config, the data and the resumed state have been checked. Collective on several ranks."""
-        check_run_folders(cfg)  # [issue 24] every folder the run writes is writable, before anything is written
-        self._set_seed(cfg)
-        # [issue 17] a busy output_dir, or one holding another run's checkpoints, is refused before any write
-        check_output_dir(cfg.checkpointer.output_dir, self._resume_from_checkpoint, self._overwrite_output_dir)
-        self._generate_base_checkpoint(cfg)
-        dataset, val_dataset = self._build_components(cfg)
-        self._check_data(dataset, val_dataset, cfg.tokenizer.get("max_seq_len", None))
-        if self._vocab_pruning_cfg is not None:
-            self._resolve_kept_ids(dataset, val_dataset)
-        self._run = self._run_identity(cfg, dataset)  # [issue 24] what a resume must match
-        state = self._checkpointer.load_recipe_state() if self._resume_from_checkpoint else None
-        if state is not None:
-            self._check_recipe_state(state)
-        self._saved_log_dir = state.metric_log_dir if state is not None else None  # [issue 17]
-
-        loss_scaler = DistributedLossScaler if self.world_size > 1 else LossScaler
-        self._loss_scaler = loss_scaler(
-            enabled=self._dtype == torch.float16, device=self._device, **cfg.get("loss_scaler", {})
-        )
-        self._guard = NonFiniteGuard(self._loss_scaler)  # [issue 24]
-
-        # From here on, outputs are written.
-        self._start_writing(cfg)
-        self._save_scanned_kept_ids(dataset, val_dataset)  # [issue 25] a resume reuses the kept-id pass
-        disk = self._disk_plan(self._model, self._checkpointer.output_dir, len(dataset), self._merged_dtype)
-        self._info(disk.format())  # [issue 25]
-
-        self._load_model(state)
-        self._optimizer = config.instantiate(cfg.optimizer, self._trainable_params)
-        self._setup_loss()
-        self._setup_dataloaders(cfg, dataset, val_dataset)
-        self._setup_schedule(cfg, state)
-
-    def _set_seed(self, cfg: DictConfig) -> None:
-        """The config's seed (torchtune's ``set_seed`` agrees on it across ranks), with the same streams on every
-        rank until the model is initialised, so every rank draws the single-device run's initial adapters."""
-        self.seed = training.set_seed(seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None))
-        _seed_everything(self.seed)
-
-    def _generate_base_checkpoint(self, cfg: DictConfig) -> None:
-        """The tiny default writes its random base checkpoint on first use (rank 0; the others wait)."""
-        if cfg.get("generate_base_checkpoint", None) is None:
-            return
-        if self._is_rank_zero:
-            config.instantiate(cfg.generate_base_checkpoint)
-        if dist.is_initialized():
-            dist.barrier()
-
-    def _build_components(self, cfg: DictConfig) -> Tuple[Any, Optional[Any]]:
-        """Builds what can be checked before anything is written: the checkpointer (validated against the model,
-        built on the meta device), tokenizer, loss, and the training and validation data sets.
-
-        Returns:
-            Tuple[Any, Optional[Any]]: the training data set and the validation one (None without ``dataset_val``).
-        """
-        self._checkpointer = config.instantiate(cfg.checkpointer)
-        self._lora = LoRASettings.from_config(cfg.model)
-        self._frozen_dtype = frozen_weights_dtype(
-            cfg.get("frozen_dtype", None), self._dtype, self._checkpointer.hf_config
-        )
-        # [issue 18] merged_dtype: the merged export's dtype (default: the base checkpoint's)
-        self._merged_dtype = dtype_or_checkpoints(cfg.get("merged_dtype", None), self._checkpointer.hf_config)
-        self._model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, self._frozen_dtype)
-        check_nf4_sharding(self._model, self.world_size)  # [issue 23] refuse/report NF4 layouts before any load
-        self._checkpointer.validate(self._model, builder=cfg.model.get("_component_"))  # [issue 24] names the builder
-        self._tokenizer = build_tokenizer(cfg.tokenizer)
-        self._loss_fn = config.instantiate(cfg.loss)
-        dataset = build_dataset(cfg.dataset, self._tokenizer)
-        val_cfg = cfg.get("dataset_val", None)
-        return dataset, build_dataset(val_cfg, self._tokenizer, "dataset_val") if val_cfg is not None else None
-
-    def _check_data(self, dataset: Any, val_dataset: Optional[Any], max_seq_len: Optional[int]) -> None:
-        """Fails on data that would train on nothing or cannot fill a step on every rank.
-
-        Raises:
-            ValueError: if none of the first samples keeps a label token within ``max_seq_len``, or an epoch has
-                fewer batches per rank than ``gradient_accumulation_steps``.
-        """
-        self._check_samples_have_labels(dataset, max_seq_len)
-        if self.world_size > 1:
-            for data in (dataset, val_dataset):
-                if data is not None:
-                    check_dataset_size(len(data), self._batch_size, self.world_size)
-        batches = len(dataset) // (self._batch_size * self.world_size)
-        if batches < self._gradient_accumulation_steps:
-            raise ConfigError(  # [issue 17] an input error: one line, exit code 2
-                f"The data set gives {batches} batches of batch_size={self._batch_size}"
-                + (" per rank" if self.world_size > 1 else "")
-                + f", fewer than gradient_accumulation_steps={self._gradient_accumulation_steps}: lower either.",
-                "gradient_accumulation_steps",
-            )
-
-    def _check_samples_have_labels(self, dataset: Any, max_seq_len: Optional[int], limit: int = 64) -> None:
-        """Fails if none of the first ``limit`` samples keeps a label token after truncation (prompts longer than
-        ``max_seq_len``), which would train on nothing; warns if some do not."""
-        ignore_index = self._loss_fn.ignore_index
-        count = min(len(dataset), limit)
-        empty = [i for i in range(count) if all(int(label) == ignore_index for label in dataset[i]["labels"])]
-        if count and len(empty) == count:
-            raise ConfigError(  # [issue 17] an input error: one line, exit code 2
-                f"None of the first {count} samples of the data set keeps a label token after truncation to "
-                f"tokenizer.max_seq_len={max_seq_len}: their prompts are longer. Raise tokenizer.max_seq_len.",
-                "tokenizer.max_seq_len",
-            )
-        if empty and self._is_rank_zero:
-            log.warning(
-                f"{len(empty)} of the first {count} samples have no label token within tokenizer.max_seq_len="
-                f"{max_seq_len} (e.g. sample {empty[0]}); they do not train."
-            )
-
-    def _resolve_kept_ids(self, dataset: Any, val_dataset: Optional[Any]) -> None:
-        """Vocab pruning: the kept token ids (a file, else the ids the data uses: one pass shared by the ranks, or
-        the pass a resumed run saved); every rank gets the same."""
-        vocab_size = self._model.tok_embeddings.num_embeddings
-        scanned = self._checkpointer.recipe_checkpoint.parent / KEPT_IDS_FILENAME
-        self._kept_ids = resolve_kept_ids(
-            self._vocab_pruning_cfg["kept_ids"],
-            vocab_size,
-            self._tokenizer,
-            [dataset, val_dataset],
-            scanned=scanned if self._resume_from_checkpoint else None,  # [issue 25]
-        )
-        self._info(f"Vocab pruning: keeping {len(self._kept_ids)} of {vocab_size} token ids.")
-
-    def _run_identity(self, cfg: DictConfig, dataset: Any) -> RunIdentity:
-        """What defines this run (recorded in every recipe state, checked on resume) and its other settings."""
-        dtypes = {"dtype": self._dtype, "adapter_dtype": self._adapter_dtype, "frozen_dtype": self._frozen_dtype}
-        return RunIdentity.from_config(
-            cfg,
-            checkpoint_paths=self._checkpointer.checkpoint_paths,
-            dataset_size=len(dataset),
-            global_batch_size=self._batch_size * self.world_size,
-            dtypes=dtypes,
-        )
-
-    def _save_scanned_kept_ids(self, dataset: Any, val_dataset: Optional[Any]) -> None:
-        """Rank 0 writes the kept ids the data pass found next to the recipe state, for a resume."""
-        if self._kept_ids is not None and self._vocab_pruning_cfg["kept_ids"] is None and self._is_rank_zero:
-            path = self._checkpointer.output_dir / RECIPE_STATE_DIRNAME / KEPT_IDS_FILENAME
-            vocab_size = self._model.tok_embeddings.num_embeddings
-            save_scanned_kept_ids(path, self._kept_ids, vocab_size, [dataset, val_dataset])
-
-    def _check_recipe_state(self, state: RecipeState) -> None:
-        """Checks a resumed recipe state against this run (its identity, adapter shapes, kept ids) before any
-        weight loads, logs the allowed changes, and takes its position.
-
-        Raises:
-            ValueError: listing what differs in what defines the run, or if the adapters differ.
-        """
-        for line in state.check_resume(self._run, self._kept_ids, self.total_epochs, self.world_size):  # [issue 24]
-            self._info(line)
-        check_adapter_state(self._model, state.adapter)
-        if state.max_steps_per_epoch != self.max_steps_per_epoch:
-            self._info(
-                f"Config max_steps_per_epoch={self.max_steps_per_epoch} differs from the checkpoint's; using "
-                f"{state.max_steps_per_epoch}."
-            )
-            self.max_steps_per_epoch = state.max_steps_per_epoch
-        self.epochs_run = state.epochs_run
-        self.global_step = state.global_step
-        self._steps_in_epoch_done = state.steps_in_epoch_done
-        if state.checkpoint_path is not None:  # [issue 24] the summary names it (a finished run trains no further)
-            self._last_checkpoint = state.checkpoint_path
-
-    def _start_writing(self, cfg: DictConfig) -> None:
-        """Rank 0, once everything has been checked: locks the output folder (collective), clears what killed writes
-        of an earlier run left in it and opens the metric logger."""
-        # [issue 17] one run per output_dir: rank 0 holds its lock until the process ends
-        self._output_lock = claim_output_dir(
-            self._checkpointer.output_dir, self._resume_from_checkpoint, self._overwrite_output_dir
-        )
-        if not self._is_rank_zero:
-            return
-        stale = self._checkpointer.remove_stale_temporaries()
-        if stale:
-            log.info(
-                f"Deleted {len(stale)} temporary file(s)/folder(s) of interrupted writes: {[p.name for p in stale]}"
-            )
-        # [issue 17] a resume continues the interrupted run's TensorBoard folder
-        self._metric_logger = config.instantiate(continued_metric_logger(cfg.metric_logger, self._saved_log_dir))
-        self._metric_logger.log_config(cfg)
-
-    def _load_model(self, state: Optional[RecipeState]) -> None:
-        """Prunes (meta), marks trainable params, wraps, shards, then streams the base in and initialises (or
-        restores) the adapters; every rank holds only its shards throughout."""
-        start = time.perf_counter()
-        model = self._model
-        pruning_cfg = self._vocab_pruning_cfg
-        self._prepare_model(model)
-        self._parallelize()
-        load_base_(model, self._checkpointer, self._device, pruning=self._pruning, sharded_device=self._sharded_device)
-        check_base_finite(model, self._checkpointer.checkpoint_dir, self._checkpointer.converter.to_hf)  # [issue 24]
-        init_adapters_(model, self._device, state.adapter if state is not None else None)
-        training.validate_no_params_on_meta_device(model)
-
-        adapters = self._adapter_params = get_adapter_params(model)
-        self._adapter_keys = [unwrap_key(model, name) for name in adapters]
-        self._trainable_params = [p for p in adapters.values() if p.requires_grad]
-        self._replicated_params = replicated_params(model)
-        # LoRA/DoRA params in the adapter dtype; pruned rows (and a pruned output's adapters) in the pruning dtype.
-        check_param_dtypes(
-            [(k, p) for k, p in zip(self._adapter_keys, adapters.values()) if not k.startswith("tok_embeddings.")],
-            self._adapter_dtype,
-            "adapter",
-        )
-        if self.rank > 0:
-            # Own RNG streams per rank from here on (dropout), as torchtune's seed + rank.
-            _seed_everything(self.seed + self.rank)
-        self._info(
-            f"Loaded {self._checkpointer.checkpoint_dir} into NF4"
-            + (f" on {self.world_size} ranks" if self.world_size > 1 else "")
-            + f" in {time.perf_counter() - start:.1f} s: compute dtype {self._dtype}, adapters {self._adapter_dtype}, "
-            f"frozen embedding/output stored in {self._frozen_dtype}, device {self._device}"
-            + (f", vocab pruning in {pruning_cfg['dtype']}" if pruning_cfg else "")
-            + "."
-        )
-
-    def _prepare_model(self, model: nn.Module) -> None:
-        """What the model gets before its weights: vocab pruning (the kept ids known), only the adapters (and
-        trained pruned rows) trainable, tiled MLPs, activation checkpointing per decoder layer, compile, activation
-        offloading."""
-        pruning_cfg = self._vocab_pruning_cfg
-        if pruning_cfg is not None and self._kept_ids is not None:
-            self._pruning = prune_vocab_(
-                model,
-                self._kept_ids,
-                dtype=pruning_cfg["dtype"],
-                unknown_token_id=pruning_cfg["unknown_token_id"],
-                trainable=pruning_cfg["trainable"],
-            )
-        set_trainable_params(model, get_adapter_params(model))
-        share_rope_(model, self._rope_seq_len)  # [issue 25] one RoPE cache, sized for the run, grown on demand
-        if self._tiled_mlp_tokens is not None:
-            tile_mlp_(model, self._tiled_mlp_tokens)
-        if self._enable_activation_checkpointing:
-            training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-        if self._compile:
-            training.compile_model(model, verbose=self._is_rank_zero)
-        if not self._dry_run:
-            self._activation_offloading = activation_offloading(model, self._enable_activation_offloading)
-
-    def _parallelize(self) -> None:
-        """Shards the model (the distributed recipe); one rank keeps it whole."""
-
-    @property
-    def _sharded_device(self) -> Optional[torch.device]:
-        """Where sharded params live (the host under FSDP CPU offload); None: the training device."""
-        return None
-
-    def _setup_loss(self) -> None:
-        """``LinearCrossEntropyLoss`` takes over the output projection (the model returns hidden states); torchtune's
-        ``CEWithChunkedOutputLoss`` gets the model's chunked logits."""
-        if isinstance(self._loss_fn, LinearCrossEntropyLoss):
-            self._loss_fn.set_model_output(self._model)
-            return
-        if self._compile:
-            self._loss_fn = training.compile_loss(self._loss_fn)
-        if isinstance(self._loss_fn, CEWithChunkedOutputLoss):
-            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
-
-    # --------------------------------------------------------------------------------------------------- data
-
-    def _setup_dataloaders(self, cfg: DictConfig, dataset: Any, val_dataset: Optional[Any]) -> None:
-        """Training (shuffled per ``cfg.shuffle``, last partial batch dropped) and validation data loaders."""
-        collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
-        self._sampler, self._dataloader = self._data_loader(
-            dataset, cfg.dataset, shuffle=cfg.shuffle, collate_fn=collate_fn, drop_last=True
-        )
-        self._val_dataloader = None
-        if val_dataset is not None:
-            self._val_dataloader = self._data_loader(
-                val_dataset, cfg.dataset_val, shuffle=False, collate_fn=collate_fn, drop_last=False
-            )[1]
-
-    def _data_loader(
-        self, dataset: Any, cfg_dataset: Any, shuffle: bool, collate_fn: str, drop_last: bool
-    ) -> Tuple[StatefulDistributedSampler, StatefulDataLoader]:
-        packed = (
-            getattr(dataset, "packed", False)
-            if isinstance(cfg_dataset, ListConfig)
-            else cfg_dataset.get("packed", False)
-        )
-        if "left_pad_sequence" in collate_fn:
-            raise RuntimeError("left_pad_sequence collator is only for inference.")
-        collate = _get_component_from_path(collate_fn)
-        # Every rank must run the same number of batches (FSDP's collectives). Training pads the index list to a
-        # multiple of the world size (torchtune's behaviour); validation (no dropped batches) drops the remainder
-        # instead, so that no sample counts twice in the validation loss. One rank: no padding either way.
-        sampler = StatefulDistributedSampler(
-            dataset,
-            num_replicas=self.world_size,
-            rank=self.rank,
-            shuffle=shuffle,
-            seed=self.seed,
-            drop_last=not drop_last,
-        )
-        dataloader = StatefulDataLoader(
-            dataset=dataset,
-            batch_size=self._batch_size,
-            sampler=sampler,
-            collate_fn=padded_collate_packed
-            if packed
-            else partial(collate, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index),
-            # dropping the last partial batch keeps shapes static (compile) and batches comparable
-            drop_last=drop_last,
-        )
-        return sampler, dataloader
-
-    def _setup_schedule(self, cfg: DictConfig, state: Optional[RecipeState]) -> None:
-        """Steps per epoch (at least one: ``_check_data``), the LR scheduler, and (resuming) the optimizer, loss
-        scaler, data and RNG positions."""
-        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
-        if self.max_steps_per_epoch is not None:
-            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        if state is not None:  # [issue 24] this run's optimizer hyperparameters; the global data position
-            hyperparameters = state.restore_optimizer_(self._optimizer, load_full_optimizer_state)
-            self._loss_scaler.load_state_dict(state.loss_scaler)
-            state.restore_sampler_(self._sampler, self.world_size)
-        self._lr_scheduler = config.instantiate(
-            cfg.lr_scheduler,
-            self._optimizer,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
-            last_epoch=self.global_step - 1,
-        )
-        # Restored when training starts, after the data loader iterator has drawn its seed.
-        self._rng_to_restore = None
-        if state is not None:
-            state.restore_lr_scheduler_(self._lr_scheduler, hyperparameters)  # [issue 24]
-            self._rng_to_restore = state.rng_for(self.rank, self.world_size)  # [issue 24]
-        self._info(f"Memory after setup: {format_memory_stats(self._memory_metrics())}")
-
-    # ---------------------------------------------------------------------------------------------- cross-rank
-
-    def _memory_metrics(self) -> Dict[str, float]:
-        """This rank's memory figures, or every rank's (``<name>/rank<r>``) on several ranks. Collective."""
-        return memory_stats(self._device) if self.world_size == 1 else gather_memory_stats(self._device)
-
     # ----------------------------------------------------------------------------------------------- training
-
-    def _pad_batch(self, batch: Dict[str, torch.Tensor]) -> None:
-        """Right-pads tokens (pad id) and labels (ignored) to a multiple of ``_pad_to_multiple``; causal attention
-        makes the extra positions invisible to the others, so the loss is unchanged. Packed batches are left."""
-        if self._pad_to_multiple is None or "mask" in batch:
-            return
-        extra = -batch["tokens"].shape[1] % self._pad_to_multiple
-        if extra:
-            batch["tokens"] = nn.functional.pad(batch["tokens"], (0, extra), value=self._tokenizer.pad_id)
-            batch["labels"] = nn.functional.pad(batch["labels"], (0, extra), value=self._loss_fn.ignore_index)
 
     def loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The mean loss over the batch's label tokens (0 if it has none): forward and loss, no backward. Override
@@ -652,7 +94,8 @@ class QLoRARecipe(FTRecipeInterface):
         Returns:
             torch.Tensor: a scalar, the mean over label tokens.
         """
-        self._pad_batch(batch)
+        if self._pad_to_multiple is not None:  # the distributed recipe's sharded vocab pruning
+            pad_batch_(batch, self._pad_to_multiple, self._tokenizer.pad_id, self._loss_fn.ignore_index)
         labels = shifted_labels(batch.pop("labels"), self._loss_fn.ignore_index)
         with self._activation_offloading:
             output = self._model(**batch)  # hidden states for LinearCrossEntropyLoss, else (chunked) logits
@@ -675,9 +118,9 @@ class QLoRARecipe(FTRecipeInterface):
         self._model.eval()
         total, count = 0.0, 0
         for i, batch in enumerate(self._val_dataloader):
-            if self._max_validation_steps is not None and i >= self._max_validation_steps:
+            if self.settings.max_validation_steps is not None and i >= self.settings.max_validation_steps:
                 break
-            utils.batch_to_device(batch, self._device)
+            utils.batch_to_device(batch, self.settings.device)
             num_tokens = int((batch["labels"] != self._loss_fn.ignore_index).sum())
             total += float(self.loss_step(batch)) * num_tokens
             count += num_tokens
@@ -720,7 +163,7 @@ class QLoRARecipe(FTRecipeInterface):
         for param in self._trainable_params:
             if param.grad is not None:
                 param.grad.mul_(1.0 / max(global_tokens, 1.0))
-        max_norm = math.inf if self._clip_grad_norm is None else float(self._clip_grad_norm)
+        max_norm = math.inf if self.settings.clip_grad_norm is None else float(self.settings.clip_grad_norm)
         grad_norm = clip_grad_norm_(self._trainable_params, max_norm=max_norm)
         self._loss_scaler.step(self._optimizer)
         self._optimizer.zero_grad(set_to_none=True)
@@ -760,12 +203,12 @@ class QLoRARecipe(FTRecipeInterface):
         """The training loop: gradient accumulation normalised by the global label-token count of each step (all
         ranks, all micro-batches), as torchtune's recipes; checkpoints every ``save_every_n_steps`` and at the end
         of each epoch; stops after ``stop_after_step`` with a resumable checkpoint."""
-        if self._compile:
+        if self.settings.compile:
             self._info("torch.compile is enabled: the first iterations are slow.")
         throughput = Throughput()
         self._first_step_of_run = self.global_step + 1
         running_loss, num_tokens = 0.0, 0
-        for curr_epoch in range(self.epochs_run, self.total_epochs):
+        for curr_epoch in range(self.epochs_run, self.settings.epochs):
             self._sampler.set_epoch(curr_epoch)
             pbar = tqdm(
                 total=self._steps_per_epoch,
@@ -776,23 +219,23 @@ class QLoRARecipe(FTRecipeInterface):
             micro_batches = 0
             if self._rng_to_restore is not None and self._steps_in_epoch_done == 0:
                 # [issue 17] resumed at an epoch's start: the uninterrupted run's iterator drew from this state
-                set_rng_state(self._rng_to_restore, self._device)
+                set_rng_state(self._rng_to_restore, self.settings.device)
                 self._rng_to_restore = None
             batches = iter(self._dataloader)  # draws a seed from the global RNG, as at the start of the run
             if self._rng_to_restore is not None:
-                set_rng_state(self._rng_to_restore, self._device)
+                set_rng_state(self._rng_to_restore, self.settings.device)
                 self._rng_to_restore = None
             step_start = time.perf_counter()
             for batch in batches:
                 if self._steps_in_epoch_done >= self._steps_per_epoch:
                     break
-                utils.batch_to_device(batch, self._device)
+                utils.batch_to_device(batch, self.settings.device)
                 loss, batch_tokens = self.forward_backward(batch)
                 num_tokens += batch_tokens
                 throughput.add(batch_tokens)
                 running_loss += loss
                 micro_batches += 1
-                if micro_batches % self._gradient_accumulation_steps != 0:
+                if micro_batches % self.settings.gradient_accumulation_steps != 0:
                     continue
 
                 step_metrics, global_tokens = self.optimizer_step(num_tokens)
@@ -806,7 +249,7 @@ class QLoRARecipe(FTRecipeInterface):
                 pbar.set_description(
                     f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_value:.4f}" + self._guard.progress()  # [issue 24]
                 )
-                if self.global_step % self._log_every_n_steps == 0:
+                if self.global_step % self.settings.log_every_n_steps == 0:
                     self._log_step(loss_value, step_metrics, throughput, float(num_tokens), global_tokens)
                     throughput.reset()
                 self._guard.check_step(
@@ -823,7 +266,7 @@ class QLoRARecipe(FTRecipeInterface):
                 if mid_epoch and self._interrupt.requested():  # [issue 17] a signal: save this step and exit
                     pbar.close()
                     self._stop_interrupted(end_of_epoch=False)
-                if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
+                if self.settings.stop_after_step is not None and self.global_step >= self.settings.stop_after_step:
                     if mid_epoch:
                         pbar.close()
                         self.save_checkpoint(end_of_epoch=False, full=False)
@@ -832,7 +275,11 @@ class QLoRARecipe(FTRecipeInterface):
                             "resume_from_checkpoint=True."
                         )
                         return
-                elif self._save_every_n_steps and self.global_step % self._save_every_n_steps == 0 and mid_epoch:
+                elif (
+                    self.settings.save_every_n_steps
+                    and self.global_step % self.settings.save_every_n_steps == 0
+                    and mid_epoch
+                ):
                     self.save_checkpoint(end_of_epoch=False, full=False)
                 step_start = time.perf_counter()
             pbar.close()
@@ -840,11 +287,12 @@ class QLoRARecipe(FTRecipeInterface):
             self._steps_in_epoch_done = 0
             # [issue 25] the merged model once, at the end (or every epoch with merge_every_epoch)
             self.save_checkpoint(
-                end_of_epoch=True, full=merge_at_epoch_end(self.epochs_run, self.total_epochs, self._merge_every_epoch)
+                end_of_epoch=True,
+                full=merge_at_epoch_end(self.epochs_run, self.settings.epochs, self.settings.merge_every_epoch),
             )
-            if self._stop_after_step is not None and self.global_step >= self._stop_after_step:
+            if self.settings.stop_after_step is not None and self.global_step >= self.settings.stop_after_step:
                 return
-            if curr_epoch + 1 < self.total_epochs and self._interrupt.requested():  # [issue 17]
+            if curr_epoch + 1 < self.settings.epochs and self._interrupt.requested():  # [issue 17]
                 self._stop_interrupted(end_of_epoch=True)
 
     def _stop_interrupted(self, end_of_epoch: bool) -> None:
@@ -859,12 +307,7 @@ class QLoRARecipe(FTRecipeInterface):
         if not self._is_rank_zero:
             self._interrupt.exit()
         self._metric_logger.close()
-        epoch, steps = (
-            (self.epochs_run, self._steps_per_epoch)
-            if end_of_epoch
-            else (self.epochs_run + 1, self._steps_in_epoch_done)
-        )
-        batch = steps * self._gradient_accumulation_steps
+        epoch, batch = self._epoch_and_batch()
         self._interrupt.exit(
             interrupted_message(
                 self._interrupt.signum, self.global_step, epoch, batch, self._last_checkpoint, resume_command()
@@ -874,8 +317,8 @@ class QLoRARecipe(FTRecipeInterface):
     def _should_validate(self) -> bool:
         return bool(
             self._val_dataloader is not None
-            and self._run_val_every_n_steps
-            and self.global_step % self._run_val_every_n_steps == 0
+            and self.settings.run_val_every_n_steps
+            and self.global_step % self.settings.run_val_every_n_steps == 0
         )
 
     # ------------------------------------------------------------------------------------------- checkpoints
@@ -885,12 +328,12 @@ class QLoRARecipe(FTRecipeInterface):
     ) -> RecipeState:
         """What :meth:`save_checkpoint` saves to resume (rank 0), the data position over all ranks."""
         steps_in_epoch = 0 if end_of_epoch else self._steps_in_epoch_done  # a new epoch: a fresh pass over the data
-        samples_per_step = self._batch_size * self.world_size * self._gradient_accumulation_steps
+        samples_per_step = self.settings.batch_size * self.world_size * self.settings.gradient_accumulation_steps
         return RecipeState(
             global_step=self.global_step,
             epochs_run=self.epochs_run,
             steps_in_epoch_done=steps_in_epoch,
-            total_epochs=self.total_epochs,
+            total_epochs=self.settings.epochs,
             max_steps_per_epoch=self.max_steps_per_epoch,
             identity=self._run.identity,
             settings=self._run.settings,
@@ -909,17 +352,8 @@ class QLoRARecipe(FTRecipeInterface):
             rng_per_rank=[plain_rng_state(r) for r in rng],
             kept_ids=self._kept_ids,
             checkpoint=self._last_checkpoint.name,
-            metric_log_dir=_log_dir_name(self._metric_logger),  # [issue 17] continued on resume
+            metric_log_dir=log_dir_name(self._metric_logger),  # [issue 17] continued on resume
         )
-
-    def _rng_states(self) -> List[Dict[str, Any]]:
-        """Every rank's RNG states, on every rank. Collective."""
-        states: List[Any] = [None] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(states, rng_state(self._device))
-        else:
-            states = [rng_state(self._device)]
-        return states
 
     def save_checkpoint(self, end_of_epoch: bool = True, full: bool = True) -> None:
         """Saves the adapter (PEFT), then the recipe state (which commits the checkpoint: a resume never starts from a
@@ -934,37 +368,37 @@ class QLoRARecipe(FTRecipeInterface):
         start = time.perf_counter()
         # [issue 24] nothing non-finite is written: a run of skipped fp16 steps or a non-finite adapter stops here
         last, adapters = self._last_saved(), self._named_adapters()
-        self._guard.check_before_save(self.global_step, self._lr(), last, adapters, self._dtype)
-        save_merged = full and not self._save_adapter_weights_only
+        self._guard.check_before_save(self.global_step, self._lr(), last, adapters, self.settings.dtype)
+        save_merged = full and not self.settings.save_adapter_weights_only
         # One rank: the live tensors, no copies; the saver moves one tensor at a time to the host.
         state = get_full_state_dict(
             self._model, adapter_weights_only=not save_merged, keep_nf4=True, cpu_offload=self.world_size > 1
         )
         optimizer = get_full_optimizer_state(self._optimizer)
-        rng = self._rng_states()
+        rng = all_rng_states(self.settings.device, self.world_size)
         if self._is_rank_zero:
             adapters = {k: state[k].detach().to("cpu", copy=True) for k in self._adapter_keys}
             # Saved at the end too: a finished run can be extended by raising `epochs` and resuming.
             self._last_checkpoint = self._checkpointer.save(
-                self._exportable(state),
+                exportable(state, self._checkpointer, self._pruning, self._kept_ids),
                 step=self.global_step,
                 adapter_config=self._lora.adapter_config(self._pruning),
                 save_merged=False,  # [issue 24] the merged model comes last, after the recipe state (export_merged)
-                dtype=self._dtype,
-                merge_base=self._merge_base,
+                dtype=self.settings.dtype,
+                merge_base=self.settings.merge_base,
             )
             # [issue 24] one typed recipe state
             self._checkpointer.save_recipe_state(self._recipe_state(end_of_epoch, adapters, optimizer, rng))
             # [issue 25] bounded disk: older step folders go once this one is complete
-            remove_old_checkpoints(self._checkpointer.output_dir, self._keep_last_n, self._last_checkpoint)
+            remove_old_checkpoints(self._checkpointer.output_dir, self.settings.keep_last_n, self._last_checkpoint)
             if save_merged:  # [issue 24] skipped if the disk has no room for it; a failed write keeps the above
                 self._merged_note = export_merged(
                     self._checkpointer,
-                    self._exportable(state),
+                    exportable(state, self._checkpointer, self._pruning, self._kept_ids),
                     self.global_step,
                     self._lora.adapter_config(self._pruning),
                     self._merged_dtype,  # [issue 18] merged_dtype
-                    self._merge_base,
+                    self.settings.merge_base,
                 )
             log.info(f"Checkpoint saved to {self._last_checkpoint} in {time.perf_counter() - start:.1f} s.")
         del state
@@ -982,39 +416,14 @@ class QLoRARecipe(FTRecipeInterface):
         """The last checkpoint this run wrote (None before its first save)."""
         return getattr(self, "_last_checkpoint", None)
 
-    def _disk_plan(
-        self, model: nn.Module, output_dir: str, num_rows: Optional[int], merged_dtype: torch.dtype
-    ) -> DiskPlan:
-        """[issue 25] The disk this run will use (``model``: as built, unpruned; ``num_rows``: the training rows,
-        None: unknown, epoch-end saves only; ``merged_dtype``: the merged export's)."""
-        steps = self.max_steps_per_epoch or 0
-        if num_rows is not None:
-            steps = num_rows // (self._batch_size * self.world_size * self._gradient_accumulation_steps)
-            steps = min(steps, self.max_steps_per_epoch or steps)
-        return plan_disk(
-            model,
-            output_dir,
-            saves=count_saves(self.total_epochs, steps, self._save_every_n_steps if num_rows is not None else None),
-            keep_last_n=self._keep_last_n,
-            merged_dtype=None if self._save_adapter_weights_only else merged_dtype,
-            epochs=self.total_epochs,
-            merge_every_epoch=self._merge_every_epoch,
-        )
-
-    def _exportable(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """A full state dict under the unpruned model's keys and shapes (the trained rows written into the base's
-        full-vocabulary tensors)."""
-        if self._pruning is None:
-            return state_dict
-        return export_full_vocab_state_dict(state_dict, self._checkpointer.read_vocab(), self._kept_ids)
-
     # ----------------------------------------------------------------------------------------------- dry run
 
     def memory_estimator(self, cfg: DictConfig, model: Optional[nn.Module] = None) -> MemoryEstimator:
         """This recipe's training step for its config, ready to estimate on fake tensors: the model built from
         ``model:`` on the meta device and prepared as for training (trainable adapters, activation checkpointing,
-        the loss, activation offloading), and this recipe's own micro-batch and optimizer step. Needs no
-        checkpoint, no data and no GPU (vocab pruning and compile are left out).
+        the loss, activation offloading), and this recipe's own micro-batch and optimizer step, run on a copy of the
+        recipe (``torchtune_ext.memory.recipe_step_estimator``: this one is never rewritten). Needs no checkpoint,
+        no data and no GPU (vocab pruning and compile are left out).
 
         Args:
             cfg (DictConfig): the recipe config.
@@ -1024,53 +433,7 @@ class QLoRARecipe(FTRecipeInterface):
         Returns:
             MemoryEstimator: call ``estimate(batch_size, seq_len)`` or ``max_seq_len_that_fits(gib)``.
         """
-        hf_config = self._checkpoint_config(cfg)
-        frozen_dtype = frozen_weights_dtype(cfg.get("frozen_dtype", None), self._dtype, hf_config)
-        fake = model is None
-        if fake:
-            model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, frozen_dtype)
-
-        # [issue 16] The estimate binds its model, loss and optimizer to its own copy of this recipe (never to self).
-        def bind(step: QLoRARecipe, step_model: nn.Module, loss_fn: Any) -> None:
-            step._model, step._loss_fn, step._frozen_dtype, step._compile = step_model, loss_fn, frozen_dtype, False
-            # On fake CPU tensors; what the device would hold is what the estimate counts.
-            step._loss_scaler = LossScaler(
-                step._dtype == torch.float16, torch.device("cpu"), **cfg.get("loss_scaler", {})
-            )
-            if step._enable_activation_offloading:
-                step._activation_offloading = OffloadedActivations()
-            step._prepare_model(step_model)
-            step._parallelize()  # [issue 19] FSDP2 on a fake process group (a per-rank dry run); no-op on one rank
-            step._setup_loss()
-
-        def optimizer(step: QLoRARecipe, step_model: nn.Module) -> torch.optim.Optimizer:
-            step._trainable_params = [p for p in step_model.parameters() if p.requires_grad]
-            step._replicated_params = []
-            step._optimizer = config.instantiate(cfg.optimizer, step._trainable_params)
-            step._lr_scheduler = config.instantiate(cfg.lr_scheduler, step._optimizer, num_training_steps=1)
-            return step._optimizer
-
-        return recipe_step_estimator(
-            self,
-            model,
-            bind=bind,
-            optimizer=optimizer,
-            loss_fn=config.instantiate(cfg.loss),
-            activation_checkpointing=self._enable_activation_checkpointing,
-            dtype=self._dtype,
-            gradient_accumulation_steps=self._gradient_accumulation_steps,
-            allowance=RECIPE_ALLOWANCE,
-            fake=fake,
-        )
-
-    def _checkpoint_config(self, cfg: DictConfig) -> Dict[str, Any]:
-        """The base checkpoint's ``config.json`` if it is there already, else a bf16 one (every supported model's HF
-        checkpoint is bf16): a dry run is for before the download."""
-        path = Path(str(cfg.checkpointer.get("checkpoint_dir", ""))) / "config.json"
-        if path.is_file():
-            return read_hf_config(path.parent)
-        self._info(f"{path} not found: assuming a bf16 checkpoint (set frozen_dtype to say otherwise).")
-        return {"dtype": "bfloat16"}
+        return recipe_memory_estimator(self, cfg, model)
 
     def dry_run(self, cfg: DictConfig) -> str:
         """Estimates the peak device memory of this config's training step without loading weights or data, and
@@ -1086,55 +449,9 @@ class QLoRARecipe(FTRecipeInterface):
         Raises:
             ValueError: without ``tokenizer.max_seq_len``.
         """
-        seq_len = cfg.tokenizer.get("max_seq_len", None)
-        if seq_len is None:
-            raise ValueError("dry_run=True estimates batches padded to tokenizer.max_seq_len: set it.")
-        target = dry_run_target(cfg, self._device, self._dtype)  # [issue 19] device profile, host, headroom
-        estimator = self.memory_estimator(cfg)
-        estimator.attention_backend = target.profile.sdpa_backend(self._dtype) if target.profile else None
-        estimate = estimator.estimate(self._batch_size, seq_len)
-        lines = [
-            estimate.format(),
-            f"  settings: dtype={self._dtype}, frozen embedding/output in "
-            f"{estimator.model.tok_embeddings.weight.dtype}, "
-            f"activation checkpointing {self._enable_activation_checkpointing}, activation offloading "
-            f"{self._enable_activation_offloading}, tiled_mlp_tokens={self._tiled_mlp_tokens}, "
-            f"loss {type(estimator.loss_fn).__name__}, "
-            f"gradient_accumulation_steps={self._gradient_accumulation_steps}",
-        ]
-        lines += self._dry_run_costs(cfg)  # [issue 25]
-        lines += self._dry_run_fits(cfg, estimator, estimate, target)  # [issue 19]
-        report = "\n".join(lines)
+        report = dry_run_report(self, cfg)
         print(report, flush=True)
         return report
-
-    def _dry_run_fits(self, cfg: DictConfig, estimator: Any, estimate: Any, target: DryRunTarget) -> List[str]:
-        """[issue 19] Whether the step fits the card and the host (with the headroom), and the longest that does."""
-        checkpoint_dtype = dtype_or_checkpoints(None, self._checkpoint_config(cfg))
-        loading = loading_bytes(estimator.model, checkpoint_dtype, self._dtype)
-        host = HostMemory(process_bytes(), loading, estimate.pinned_host_bytes)
-        return [f"  {line}" for line in fit_report(estimator, estimate, target, host, self._batch_size)]
-
-    def _dry_run_costs(self, cfg: DictConfig) -> List[str]:
-        """[issue 25] The disk the run will use and, when vocab pruning scans the data, the pass's time (from a
-        measured sample of rows); the data set's size when the tokenizer and data can be read already."""
-        hf_config = self._checkpoint_config(cfg)
-        frozen_dtype = frozen_weights_dtype(cfg.get("frozen_dtype", None), self._dtype, hf_config)
-        model = build_qlora_model(cfg.model, self._dtype, self._adapter_dtype, frozen_dtype)
-        lines, datasets = [], []
-        try:
-            tokenizer = build_tokenizer(cfg.tokenizer)
-            datasets = [build_dataset(cfg.dataset, tokenizer)]
-            if cfg.get("dataset_val", None) is not None:
-                datasets.append(build_dataset(cfg.dataset_val, tokenizer, "dataset_val"))
-        except (FileNotFoundError, RuntimeError) as err:
-            lines.append(f"  data not readable yet ({str(err)[:160]}): disk counts epoch-end saves only.")
-        num_rows = len(datasets[0]) if datasets else None
-        merged_dtype = dtype_or_checkpoints(cfg.get("merged_dtype", None), hf_config)
-        lines.append("  " + self._disk_plan(model, cfg.checkpointer.output_dir, num_rows, merged_dtype).format())
-        vocab_size = model.tok_embeddings.num_embeddings
-        scan = scan_estimate_line(self._vocab_pruning_cfg, datasets, vocab_size, self.world_size) if datasets else None
-        return lines + ([scan] if scan else [])
 
     # ----------------------------------------------------------------------------------------------- the end
 
@@ -1146,71 +463,20 @@ class QLoRARecipe(FTRecipeInterface):
             return
         self._metric_logger.close()
         self._output_lock.release()  # [issue 17]
-        print(self._summary(memory), flush=True)
-
-    def _summary(self, memory: Dict[str, float]) -> str:
-        log_dir = getattr(self._metric_logger, "log_dir", None)
-        checkpoint: Optional[Path] = getattr(self, "_last_checkpoint", None)
-        lines = ["", "Done." if self.world_size == 1 else f"Done ({self.world_size} ranks)."]
-        if self.loss_history:
-            lines.append(
-                f"  loss: {self.loss_history[0]:.4f} (step {self._first_step_of_run}) -> "
-                f"{self.loss_history[-1]:.4f} (step {self.global_step})"
-            )
-        lines += self._val_history.summary_lines()  # [issue 18]
-        lines.append(f"  peak memory:         {_peak_memory_line(memory)}")
-        lines += self._guard.summary()  # [issue 24] fp16: skipped steps
-        if self._train_seconds > 0:
-            lines.append(
-                f"  tokens/s (mean):     {self._train_tokens / self._train_seconds:,.0f} label tokens/s over "
-                f"{self.global_step - self._first_step_of_run + 1} steps"
-                + (f" ({self.world_size} ranks together)" if self.world_size > 1 else "")
-            )
-        if checkpoint is not None:
-            lines.append(f"  adapter (PEFT):      {checkpoint / 'adapter'}")
-            if (checkpoint / "merged").is_dir():
-                lines.append(f"  merged model (HF):   {checkpoint / 'merged'}")
-            elif getattr(self, "_merged_note", None):  # [issue 24]
-                lines.append(f"  merged model:        skipped: {self._merged_note}")
-        if (self._checkpointer.output_dir / "recipe_state").is_dir():
-            lines.append(f"  resumable state:     {self._checkpointer.output_dir / 'recipe_state'}")
-        if log_dir is not None:
-            lines.append(f"  TensorBoard logs:    {log_dir}  (tensorboard --logdir {log_dir})")
-        if checkpoint is not None:
-            lines += self._next_steps(checkpoint)
-        return "\n".join(lines)
-
-    def _next_steps(self, checkpoint: Path) -> List[str]:
-        """What a user does with a finished run, as commands."""
-        base = self._checkpointer.checkpoint_dir
-        lines = [
-            "Next:",
-            f"  answer prompts:      tune-ext generate --config <model>/<size>_generation "
-            f'checkpointer.checkpoint_dir={base} adapter_dir={checkpoint / "adapter"} prompt="..." '
-            "(`tune-ext ls` lists the generation configs)",
-        ]
-        if not (checkpoint / "merged").is_dir():
-            lines.append(f"  merge it:            {merge_command(base, checkpoint)}")
-        lines.append("  train further:       the same command with resume_from_checkpoint=True and a larger epochs")
-        return lines
-
-
-def _peak_memory_line(memory: Dict[str, float]) -> str:
-    """The largest value of each memory figure over the ranks (``name`` or ``name/rank<r>`` keys), in GiB."""
-    peaks: Dict[str, float] = {}
-    for key, value in memory.items():
-        name = key.split("/")[0]
-        peaks[name] = max(peaks.get(name, 0.0), value)
-    parts = []
-    if "peak_memory_alloc" in peaks:
-        parts.append(
-            f"{peaks['peak_memory_alloc']:.2f} GiB allocated, {peaks['peak_memory_reserved']:.2f} GiB reserved"
+        summary = run_summary(
+            world_size=self.world_size,
+            losses=self.loss_history,
+            first_step=getattr(self, "_first_step_of_run", self.global_step + 1),
+            last_step=self.global_step,
+            validation=self._val_history,
+            memory=memory,
+            guard=self._guard,
+            train_tokens=self._train_tokens,
+            train_seconds=self._train_seconds,
+            checkpoint=self._last_saved(),
+            merged_note=getattr(self, "_merged_note", None),
+            output_dir=self._checkpointer.output_dir,
+            base_dir=self._checkpointer.checkpoint_dir,
+            log_dir=getattr(self._metric_logger, "log_dir", None),
         )
-    parts.append(f"{peaks['peak_rss']:.2f} GiB host RSS")
-    return " | ".join(parts) + (" (max over ranks)" if any("/" in key for key in memory) else "")
-
-
-def _log_dir_name(metric_logger: Any) -> Optional[str]:
-    """The metric logger's folder as a plain string (a recipe state holds plain data only), if it has one."""
-    log_dir = getattr(metric_logger, "log_dir", None)
-    return None if log_dir is None else str(log_dir)
+        print(summary, flush=True)

@@ -1,53 +1,20 @@
-"""Reading a QLoRA recipe's config: positive counts, LoRA settings (for the PEFT adapter config), the model (built on
-the meta device), data sets; and the RNG state a resume restores."""
+"""A QLoRA recipe's settings, read from its config and checked once (:class:`RecipeSettings`), the LoRA settings of
+its model (for the PEFT adapter config), and the dtypes derived from the base checkpoint."""
 
-import inspect
-import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
-from omegaconf import DictConfig, ListConfig
-from torch import nn
-from torch.utils.data import Dataset
-from torchtune import config
-from torchtune.config._utils import _get_component_from_path
-from torchtune.datasets import ConcatDataset
+from omegaconf import DictConfig
+from torchtune import utils
 from torchtune.modules.peft import get_lora_module_names
 
 from torchtune_ext._dtype import parse_dtype
-from torchtune_ext.config import TOKENIZER_FILE_KEYS, ConfigError, missing_tokenizer_file
-from torchtune_ext.modules.vocab_pruning import VocabPruning
-
-
-def rng_state(device: torch.device) -> Dict[str, Any]:
-    """
-    Args:
-        device (torch.device): the training device (its CUDA generator is included on CUDA).
-
-    Returns:
-        Dict[str, Any]: the torch, python, numpy (and CUDA) RNG states, for a bit-exact resume.
-    """
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: Dict[str, Any], device: torch.device) -> None:
-    """Restores what :func:`rng_state` returned.
-
-    Args:
-        state (Dict[str, Any]): the saved states.
-        device (torch.device): the training device.
-    """
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+from torchtune_ext.checkpoint import DEFAULT_KEEP_LAST_N, MERGE_BASES, parse_keep_last_n
+from torchtune_ext.config import ConfigError
+from torchtune_ext.modules.vocab_pruning import VocabPruning, parse_vocab_pruning
+from torchtune_ext.training._activations import check_activation_offloading
+from torchtune_ext.training._precision import default_adapter_dtype
 
 
 def positive_int(cfg: DictConfig, key: str, default: Optional[int]) -> Optional[int]:
@@ -67,6 +34,143 @@ def positive_int(cfg: DictConfig, key: str, default: Optional[int]) -> Optional[
     if value is not None and (not isinstance(value, int) or value < 1):
         raise ConfigError(f"{key}={value!r} must be a positive integer{' or null' if default is None else ''}.")
     return value
+
+
+@dataclass(frozen=True)
+class RecipeSettings:
+    """The settings both QLoRA recipes take, read from the config and checked once, before anything is built.
+
+    Attributes:
+        dry_run (bool): estimate the memory only (the configured device need not be on this machine).
+        device (torch.device): the training device.
+        dtype (torch.dtype): the compute dtype.
+        adapter_dtype (torch.dtype): the LoRA/DoRA params' dtype (fp32 masters under fp16).
+        batch_size (int): samples per micro-batch, per rank.
+        log_every_n_steps (int): metrics every that many steps.
+        gradient_accumulation_steps (int): micro-batches per optimizer step.
+        clip_grad_norm (Optional[float]): the gradient norm's limit; None: no clipping.
+        epochs (int): epochs to train.
+        max_steps_per_epoch (Optional[int]): optimizer steps per epoch at most.
+        stop_after_step (Optional[int]): end the run after this step, with a resumable checkpoint.
+        save_every_n_steps (Optional[int]): resumable checkpoints within an epoch.
+        run_val_every_n_steps (Optional[int]): the validation loss every that many steps.
+        max_validation_steps (Optional[int]): validation batches at most.
+        resume_from_checkpoint (bool): continue the run saved in the output folder.
+        overwrite_output_dir (bool): replace another run's checkpoints in the output folder.
+        save_adapter_weights_only (bool): never write the merged model.
+        keep_last_n (Optional[int]): step folders kept; None: all.
+        merge_every_epoch (bool): the merged model at every epoch's end, not only the last.
+        merge_base (str): ``nf4`` or ``original`` (:data:`torchtune_ext.checkpoint.MERGE_BASES`).
+        enable_activation_checkpointing (bool): activation checkpointing per decoder layer.
+        enable_activation_offloading (bool): saved activations in pinned host memory (CUDA).
+        tiled_mlp_tokens (Optional[int]): tokens per tile of the tiled MLPs; None: untiled.
+        max_seq_len (Optional[int]): ``tokenizer.max_seq_len``: the RoPE cache's length, the dry run's padded length.
+        frozen_dtype (Optional[str]): ``frozen_dtype`` as named (None: from the checkpoint's, when it is known).
+        merged_dtype (Optional[str]): ``merged_dtype`` as named (None: the checkpoint's).
+        collate_fn (str): the collate function's dotted path.
+        compile (bool): ``torch.compile`` the model and loss.
+        vocab_pruning (Optional[Dict[str, Any]]): the ``vocab_pruning`` section as read; None: off.
+    """
+
+    dry_run: bool
+    device: torch.device
+    dtype: torch.dtype
+    adapter_dtype: torch.dtype
+    batch_size: int
+    log_every_n_steps: int
+    gradient_accumulation_steps: int
+    clip_grad_norm: Optional[float]
+    epochs: int
+    max_steps_per_epoch: Optional[int]
+    stop_after_step: Optional[int]
+    save_every_n_steps: Optional[int]
+    run_val_every_n_steps: Optional[int]
+    max_validation_steps: Optional[int]
+    resume_from_checkpoint: bool
+    overwrite_output_dir: bool
+    save_adapter_weights_only: bool
+    keep_last_n: Optional[int]
+    merge_every_epoch: bool
+    merge_base: str
+    enable_activation_checkpointing: bool
+    enable_activation_offloading: bool
+    tiled_mlp_tokens: Optional[int]
+    max_seq_len: Optional[int]
+    frozen_dtype: Optional[str]
+    merged_dtype: Optional[str]
+    collate_fn: str
+    compile: bool
+    vocab_pruning: Optional[Dict[str, Any]]
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> "RecipeSettings":
+        """
+        Args:
+            cfg (DictConfig): the recipe config (already checked by ``torchtune_ext.config.check_config``).
+
+        Returns:
+            RecipeSettings: the settings.
+
+        Raises:
+            ConfigError: on a non-positive count, an unknown ``merge_base`` or ``vocab_pruning`` setting.
+            ValueError: on an unknown dtype, or ``enable_activation_offloading`` off CUDA.
+            RuntimeError: on bf16 where the device does not support it.
+        """
+        dry_run = bool(cfg.get("dry_run", False))
+        device = torch.device(cfg.device) if dry_run else utils.get_device(device=cfg.device)
+        dtype = parse_dtype(cfg.get("dtype", "fp32"), None if dry_run else device)
+        adapter_dtype = default_adapter_dtype(dtype, cfg.get("adapter_dtype", None))
+        batch_size = positive_int(cfg, "batch_size", 1)
+        counts = {
+            key: positive_int(cfg, key, default)
+            for key, default in (
+                ("log_every_n_steps", 1),
+                ("gradient_accumulation_steps", 1),
+                ("epochs", 1),
+                ("max_steps_per_epoch", None),
+                ("stop_after_step", None),
+                ("save_every_n_steps", None),
+                ("run_val_every_n_steps", None),
+                ("max_validation_steps", None),
+            )
+        }
+        keep_last_n = parse_keep_last_n(cfg.get("keep_last_n_checkpoints", DEFAULT_KEEP_LAST_N))  # [issue 25]
+        merge_base = cfg.get("merge_base", "nf4")
+        if merge_base not in MERGE_BASES:
+            raise ConfigError(  # [issue 17] a config error: one line, exit code 2
+                f"merge_base={merge_base!r} is not supported; use merge_base=nf4 (merge onto the NF4 base the "
+                "adapter was trained on: exactly the trained model) or merge_base=original (onto the checkpoint's "
+                "own weights).",
+                "merge_base",
+            )
+        tiled_mlp_tokens = positive_int(cfg, "tiled_mlp_tokens", None)
+        offloading = cfg.get("enable_activation_offloading", False)
+        if not dry_run:
+            check_activation_offloading(offloading, device)
+        return cls(
+            dry_run=dry_run,
+            device=device,
+            dtype=dtype,
+            adapter_dtype=adapter_dtype,
+            batch_size=batch_size,
+            clip_grad_norm=cfg.get("clip_grad_norm", None),
+            resume_from_checkpoint=cfg.get("resume_from_checkpoint", False),
+            overwrite_output_dir=bool(cfg.get("overwrite_output_dir", False)),  # [issue 17]
+            save_adapter_weights_only=cfg.get("save_adapter_weights_only", False),
+            keep_last_n=keep_last_n,
+            merge_every_epoch=bool(cfg.get("merge_every_epoch", False)),  # [issue 25]
+            merge_base=merge_base,
+            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            enable_activation_offloading=offloading,
+            tiled_mlp_tokens=tiled_mlp_tokens,
+            max_seq_len=cfg.get("tokenizer", {}).get("max_seq_len", None),
+            frozen_dtype=cfg.get("frozen_dtype", None),
+            merged_dtype=cfg.get("merged_dtype", None),  # [issue 18]
+            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+            compile=cfg.get("compile", False),
+            vocab_pruning=parse_vocab_pruning(cfg.get("vocab_pruning", None)),
+            **counts,
+        )
 
 
 @dataclass(frozen=True)
@@ -135,21 +239,6 @@ class LoRASettings:
         return config
 
 
-def shifted_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Labels shifted left by one, the last position ignored: equivalent to ``labels[..., 1:]`` against
-    ``logits[..., :-1, :]`` without slicing the logits (or the hidden states).
-
-    Args:
-        labels (torch.Tensor): ``(batch, seq)`` labels.
-        ignore_index (int): the loss's ignore index.
-
-    Returns:
-        torch.Tensor: the shifted labels.
-    """
-    last = torch.full((labels.shape[0], 1), ignore_index, dtype=labels.dtype, device=labels.device)
-    return torch.hstack((labels[..., 1:], last))
-
-
 def frozen_weights_dtype(
     name: Optional[str], dtype: torch.dtype, hf_config: Dict[str, Any], what: str = "frozen_dtype"
 ) -> torch.dtype:
@@ -187,104 +276,3 @@ def dtype_or_checkpoints(name: Optional[str], hf_config: Dict[str, Any], what: s
     if name is not None:
         return parse_dtype(name, what=what)
     return parse_dtype(hf_config.get("dtype") or hf_config.get("torch_dtype") or "bf16", what="config.json dtype")
-
-
-def build_qlora_model(
-    cfg_model: DictConfig, dtype: torch.dtype, adapter_dtype: torch.dtype, frozen_dtype: Optional[torch.dtype] = None
-) -> nn.Module:
-    """Builds the QLoRA model on the meta device (no memory); shape errors (NF4) surface here.
-
-    Args:
-        cfg_model (DictConfig): the ``model`` section, a torchtune_ext QLoRA builder.
-        dtype (torch.dtype): compute dtype.
-        adapter_dtype (torch.dtype): dtype of the LoRA/DoRA params.
-        frozen_dtype (Optional[torch.dtype]): storage dtype of the frozen non-NF4 weights (see
-            :func:`frozen_weights_dtype`); None: ``dtype``.
-
-    Returns:
-        nn.Module: the model, on meta.
-
-    Raises:
-        ValueError: if the builder does not take ``dtype``/``adapter_dtype``/``frozen_dtype``/``device``.
-    """
-    extra = {} if frozen_dtype is None or frozen_dtype == dtype else {"frozen_dtype": frozen_dtype}
-    try:
-        return config.instantiate(cfg_model, dtype=dtype, adapter_dtype=adapter_dtype, device="meta", **extra)
-    except TypeError as err:
-        if "dtype" not in str(err) and "device" not in str(err):
-            raise
-        raise ValueError(
-            f"model._component_={cfg_model._component_} is not a torchtune_ext QLoRA builder (it does not take "
-            "dtype/adapter_dtype/frozen_dtype/device); use e.g. torchtune_ext.models.qlora_llama3_2_1b."
-        ) from err
-
-
-#: where network / hub failures come from (a data set that cannot be reached offline).
-_NETWORK_ERROR_MODULES = ("requests", "httpx", "urllib3", "huggingface_hub", "datasets")
-
-
-def build_tokenizer(cfg_tokenizer: DictConfig, checkpoint_dir: Optional[str] = None) -> Any:
-    """Builds the tokenizer, first checking the files it names.
-
-    Args:
-        cfg_tokenizer (DictConfig): the ``tokenizer`` section.
-        checkpoint_dir (Optional[str]): the model's folder, for the hint of a missing file.
-
-    Returns:
-        Any: the tokenizer.
-
-    Raises:
-        FileNotFoundError: naming the config key of a missing tokenizer file and the fix.
-    """
-    for key in TOKENIZER_FILE_KEYS:
-        value = cfg_tokenizer.get(key, None)
-        if isinstance(value, str) and not Path(value).is_file():
-            raise missing_tokenizer_file(key, value, checkpoint_dir)  # [issue 17] the hint keeps the subfolder
-    return config.instantiate(cfg_tokenizer)
-
-
-def _network_failure(error: BaseException) -> bool:
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        module = type(error).__module__.split(".")[0]
-        if isinstance(error, (ConnectionError, TimeoutError)) or module in _NETWORK_ERROR_MODULES:
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _default_source(component: str) -> str:
-    """The ``source`` a data set builder uses when the config gives none (e.g. alpaca_dataset's tatsu-lab/alpaca)."""
-    parameter = inspect.signature(_get_component_from_path(component)).parameters.get("source")
-    return parameter.default if parameter is not None and isinstance(parameter.default, str) else component
-
-
-def build_dataset(cfg_dataset: Any, tokenizer: Any, what: str = "dataset") -> Dataset:
-    """
-    Args:
-        cfg_dataset (Any): a ``dataset`` section, or a list of them (concatenated).
-        tokenizer (Any): the tokenizer.
-        what (str): the section's config key, for errors.
-
-    Returns:
-        Dataset: the data set.
-
-    Raises:
-        RuntimeError: if the data set cannot be downloaded (offline, unknown repository), naming the key and the
-            local-file alternative.
-    """
-    if isinstance(cfg_dataset, ListConfig):
-        return ConcatDataset(datasets=[build_dataset(c, tokenizer, what) for c in cfg_dataset])
-    try:
-        return config.instantiate(cfg_dataset, tokenizer)
-    except Exception as err:
-        if not _network_failure(err):
-            raise
-        source = cfg_dataset.get("source", _default_source(cfg_dataset.get("_component_")))
-        raise RuntimeError(
-            f"{what}: the data set {source!r} could not be loaded from the Hugging Face Hub and is not in the local "
-            f"cache ({type(err).__name__}: {str(err)[:300]}). Offline, train on a local file instead, e.g. "
-            f"{what}.source=json {what}.data_files=/path/to/data.json (with the column names the "
-            f"{what}._component_ expects), or download the data set once while online."
-        ) from err

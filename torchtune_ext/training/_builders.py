@@ -1,0 +1,117 @@
+"""Builders for what a recipe config names: the QLoRA model (on the meta device), the tokenizer and the data sets,
+each failing with the config key and the fix."""
+
+import inspect
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, ListConfig
+from torch import nn
+from torch.utils.data import Dataset
+from torchtune import config
+from torchtune.config._utils import _get_component_from_path
+from torchtune.datasets import ConcatDataset
+
+from torchtune_ext.config import TOKENIZER_FILE_KEYS, missing_tokenizer_file
+
+
+def build_qlora_model(
+    cfg_model: DictConfig, dtype: torch.dtype, adapter_dtype: torch.dtype, frozen_dtype: Optional[torch.dtype] = None
+) -> nn.Module:
+    """Builds the QLoRA model on the meta device (no memory); shape errors (NF4) surface here.
+
+    Args:
+        cfg_model (DictConfig): the ``model`` section, a torchtune_ext QLoRA builder.
+        dtype (torch.dtype): compute dtype.
+        adapter_dtype (torch.dtype): dtype of the LoRA/DoRA params.
+        frozen_dtype (Optional[torch.dtype]): storage dtype of the frozen non-NF4 weights (see
+            :func:`frozen_weights_dtype`); None: ``dtype``.
+
+    Returns:
+        nn.Module: the model, on meta.
+
+    Raises:
+        ValueError: if the builder does not take ``dtype``/``adapter_dtype``/``frozen_dtype``/``device``.
+    """
+    extra = {} if frozen_dtype is None or frozen_dtype == dtype else {"frozen_dtype": frozen_dtype}
+    try:
+        return config.instantiate(cfg_model, dtype=dtype, adapter_dtype=adapter_dtype, device="meta", **extra)
+    except TypeError as err:
+        if "dtype" not in str(err) and "device" not in str(err):
+            raise
+        raise ValueError(
+            f"model._component_={cfg_model._component_} is not a torchtune_ext QLoRA builder (it does not take "
+            "dtype/adapter_dtype/frozen_dtype/device); use e.g. torchtune_ext.models.qlora_llama3_2_1b."
+        ) from err
+
+
+#: where network / hub failures come from (a data set that cannot be reached offline).
+_NETWORK_ERROR_MODULES = ("requests", "httpx", "urllib3", "huggingface_hub", "datasets")
+
+
+def build_tokenizer(cfg_tokenizer: DictConfig, checkpoint_dir: Optional[str] = None) -> Any:
+    """Builds the tokenizer, first checking the files it names.
+
+    Args:
+        cfg_tokenizer (DictConfig): the ``tokenizer`` section.
+        checkpoint_dir (Optional[str]): the model's folder, for the hint of a missing file.
+
+    Returns:
+        Any: the tokenizer.
+
+    Raises:
+        FileNotFoundError: naming the config key of a missing tokenizer file and the fix.
+    """
+    for key in TOKENIZER_FILE_KEYS:
+        value = cfg_tokenizer.get(key, None)
+        if isinstance(value, str) and not Path(value).is_file():
+            raise missing_tokenizer_file(key, value, checkpoint_dir)  # [issue 17] the hint keeps the subfolder
+    return config.instantiate(cfg_tokenizer)
+
+
+def _network_failure(error: BaseException) -> bool:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        module = type(error).__module__.split(".")[0]
+        if isinstance(error, (ConnectionError, TimeoutError)) or module in _NETWORK_ERROR_MODULES:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _default_source(component: str) -> str:
+    """The ``source`` a data set builder uses when the config gives none (e.g. alpaca_dataset's tatsu-lab/alpaca)."""
+    parameter = inspect.signature(_get_component_from_path(component)).parameters.get("source")
+    return parameter.default if parameter is not None and isinstance(parameter.default, str) else component
+
+
+def build_dataset(cfg_dataset: Any, tokenizer: Any, what: str = "dataset") -> Dataset:
+    """
+    Args:
+        cfg_dataset (Any): a ``dataset`` section, or a list of them (concatenated).
+        tokenizer (Any): the tokenizer.
+        what (str): the section's config key, for errors.
+
+    Returns:
+        Dataset: the data set.
+
+    Raises:
+        RuntimeError: if the data set cannot be downloaded (offline, unknown repository), naming the key and the
+            local-file alternative.
+    """
+    if isinstance(cfg_dataset, ListConfig):
+        return ConcatDataset(datasets=[build_dataset(c, tokenizer, what) for c in cfg_dataset])
+    try:
+        return config.instantiate(cfg_dataset, tokenizer)
+    except Exception as err:
+        if not _network_failure(err):
+            raise
+        source = cfg_dataset.get("source", _default_source(cfg_dataset.get("_component_")))
+        raise RuntimeError(
+            f"{what}: the data set {source!r} could not be loaded from the Hugging Face Hub and is not in the local "
+            f"cache ({type(err).__name__}: {str(err)[:300]}). Offline, train on a local file instead, e.g. "
+            f"{what}.source=json {what}.data_files=/path/to/data.json (with the column names the "
+            f"{what}._component_ expects), or download the data set once while online."
+        ) from err

@@ -1,0 +1,171 @@
+"""The dry run of a QLoRA recipe: its own training step estimated on fake tensors, and the report (peak device
+memory and its breakdown, host RAM, disk, the data pass; whether it fits and the longest sequence that does).
+
+The step runs on a copy of the recipe (``torchtune_ext.memory.recipe_step_estimator``), which gets the estimate's
+model, loss, loss scaler and optimizer and prepares the model with the recipe's own methods: a subclass's step and
+preparation are what is estimated, and the live recipe is never rewritten. That binding lives here, not in
+``torchtune_ext.memory``, because it builds the recipe's own pieces (the model builder, the loss scaler, the
+settings), and ``memory`` sits below ``training`` in the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torchtune import config, utils
+
+from torchtune_ext.checkpoint import read_hf_config
+from torchtune_ext.memory import (
+    DeviceAllowance,
+    DryRunTarget,
+    HostMemory,
+    MemoryEstimate,
+    MemoryEstimator,
+    OffloadedActivations,
+    dry_run_target,
+    fit_report,
+    loading_bytes,
+    process_bytes,
+    recipe_step_estimator,
+)
+from torchtune_ext.modules.vocab_pruning import scan_estimate_line
+from torchtune_ext.training._builders import build_dataset, build_qlora_model, build_tokenizer
+from torchtune_ext.training._checkpointing import disk_plan
+from torchtune_ext.training._precision import LossScaler
+from torchtune_ext.training._settings import dtype_or_checkpoints, frozen_weights_dtype
+
+if TYPE_CHECKING:
+    from torchtune_ext.training._recipe import QLoRARecipe
+
+log = utils.get_logger("INFO")
+
+#: The dry run's allowance beyond torch's allocator: the CUDA context, and fragmentation of 10% of the transient
+#: peak, since the recipes run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (an assumption until
+#: bench/gpu.sh measures it; torchtune's default allocator with variable-length batches needs about 100%).
+RECIPE_ALLOWANCE = DeviceAllowance(fragmentation=0.1)
+
+
+def recipe_memory_estimator(recipe: QLoRARecipe, cfg: DictConfig, model: Optional[nn.Module] = None) -> MemoryEstimator:
+    """``recipe``'s training step for its config, ready to estimate; see :meth:`QLoRARecipe.memory_estimator`."""
+    settings = recipe.settings
+    frozen_dtype = frozen_weights_dtype(settings.frozen_dtype, settings.dtype, checkpoint_config(cfg))
+    fake = model is None
+    if fake:
+        model = build_qlora_model(cfg.model, settings.dtype, settings.adapter_dtype, frozen_dtype)
+    return recipe_step_estimator(
+        recipe,
+        model,
+        bind=partial(_bind, cfg=cfg, frozen_dtype=frozen_dtype),
+        optimizer=partial(_optimizer, cfg=cfg),
+        loss_fn=config.instantiate(cfg.loss),
+        activation_checkpointing=settings.enable_activation_checkpointing,
+        dtype=settings.dtype,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        allowance=RECIPE_ALLOWANCE,
+        fake=fake,
+    )
+
+
+def _bind(step: QLoRARecipe, model: nn.Module, loss_fn: Any, *, cfg: DictConfig, frozen_dtype: torch.dtype) -> None:
+    """Gives the estimate's copy of the recipe its model and loss, prepared as the recipe prepares them to train."""
+    step._model, step._loss_fn, step._frozen_dtype = model, loss_fn, frozen_dtype
+    step.settings = replace(step.settings, compile=False)
+    # On fake CPU tensors; what the device would hold is what the estimate counts.
+    step._loss_scaler = LossScaler(
+        step.settings.dtype == torch.float16, torch.device("cpu"), **cfg.get("loss_scaler", {})
+    )
+    if step.settings.enable_activation_offloading:
+        step._activation_offloading = OffloadedActivations()
+    step._prepare_model(model)
+    step._parallelize()  # [issue 19] FSDP2 on a fake process group (a per-rank dry run); no-op on one rank
+    step._setup_loss()
+
+
+def _optimizer(step: QLoRARecipe, model: nn.Module, *, cfg: DictConfig) -> torch.optim.Optimizer:
+    """The copy's optimizer and LR schedule, over the model's trainable params."""
+    step._trainable_params = [p for p in model.parameters() if p.requires_grad]
+    step._replicated_params = []
+    step._optimizer = config.instantiate(cfg.optimizer, step._trainable_params)
+    step._lr_scheduler = config.instantiate(cfg.lr_scheduler, step._optimizer, num_training_steps=1)
+    return step._optimizer
+
+
+def checkpoint_config(cfg: DictConfig) -> Dict[str, Any]:
+    """The base checkpoint's ``config.json`` if it is there already, else a bf16 one (every supported model's HF
+    checkpoint is bf16): a dry run is for before the download."""
+    path = Path(str(cfg.checkpointer.get("checkpoint_dir", ""))) / "config.json"
+    if path.is_file():
+        return read_hf_config(path.parent)
+    utils.log_rank_zero(log, f"{path} not found: assuming a bf16 checkpoint (set frozen_dtype to say otherwise).")
+    return {"dtype": "bfloat16"}
+
+
+def dry_run_report(recipe: QLoRARecipe, cfg: DictConfig) -> str:
+    """The dry run's report; see :meth:`QLoRARecipe.dry_run`."""
+    settings = recipe.settings
+    if settings.max_seq_len is None:
+        raise ValueError("dry_run=True estimates batches padded to tokenizer.max_seq_len: set it.")
+    target = dry_run_target(cfg, settings.device, settings.dtype)  # [issue 19] device profile, host, headroom
+    estimator = recipe.memory_estimator(cfg)
+    estimator.attention_backend = target.profile.sdpa_backend(settings.dtype) if target.profile else None
+    estimate = estimator.estimate(settings.batch_size, settings.max_seq_len)
+    lines = [
+        estimate.format(),
+        f"  settings: dtype={settings.dtype}, frozen embedding/output in "
+        f"{estimator.model.tok_embeddings.weight.dtype}, "
+        f"activation checkpointing {settings.enable_activation_checkpointing}, activation offloading "
+        f"{settings.enable_activation_offloading}, tiled_mlp_tokens={settings.tiled_mlp_tokens}, "
+        f"loss {type(estimator.loss_fn).__name__}, "
+        f"gradient_accumulation_steps={settings.gradient_accumulation_steps}",
+    ]
+    lines += _costs(recipe, cfg)  # [issue 25]
+    lines += _fits(recipe, cfg, estimator, estimate, target)  # [issue 19]
+    return "\n".join(lines)
+
+
+def _fits(
+    recipe: QLoRARecipe, cfg: DictConfig, estimator: MemoryEstimator, estimate: MemoryEstimate, target: DryRunTarget
+) -> List[str]:
+    """[issue 19] Whether the step fits the card and the host (with the headroom), and the longest that does."""
+    checkpoint_dtype = dtype_or_checkpoints(None, checkpoint_config(cfg))
+    loading = loading_bytes(estimator.model, checkpoint_dtype, recipe.settings.dtype)
+    host = HostMemory(process_bytes(), loading, estimate.pinned_host_bytes)
+    return [f"  {line}" for line in fit_report(estimator, estimate, target, host, recipe.settings.batch_size)]
+
+
+def _costs(recipe: QLoRARecipe, cfg: DictConfig) -> List[str]:
+    """[issue 25] The disk the run will use and, when vocab pruning scans the data, the pass's time (from a
+    measured sample of rows); the data set's size when the tokenizer and data can be read already."""
+    settings = recipe.settings
+    hf_config = checkpoint_config(cfg)
+    frozen_dtype = frozen_weights_dtype(settings.frozen_dtype, settings.dtype, hf_config)
+    model = build_qlora_model(cfg.model, settings.dtype, settings.adapter_dtype, frozen_dtype)
+    lines, datasets = [], []
+    try:
+        tokenizer = build_tokenizer(cfg.tokenizer)
+        datasets = [build_dataset(cfg.dataset, tokenizer)]
+        if cfg.get("dataset_val", None) is not None:
+            datasets.append(build_dataset(cfg.dataset_val, tokenizer, "dataset_val"))
+    except (FileNotFoundError, RuntimeError) as err:
+        lines.append(f"  data not readable yet ({str(err)[:160]}): disk counts epoch-end saves only.")
+    num_rows = len(datasets[0]) if datasets else None
+    merged_dtype = dtype_or_checkpoints(settings.merged_dtype, hf_config)
+    plan = disk_plan(
+        settings,
+        recipe.world_size,
+        settings.max_steps_per_epoch,
+        model,
+        cfg.checkpointer.output_dir,
+        num_rows,
+        merged_dtype,
+    )
+    lines.append("  " + plan.format())
+    vocab_size = model.tok_embeddings.num_embeddings
+    scan = scan_estimate_line(settings.vocab_pruning, datasets, vocab_size, recipe.world_size) if datasets else None
+    return lines + ([scan] if scan else [])
