@@ -20,6 +20,7 @@ from torchtune_ext.models._from_hf import torchtune_builder_for
 from torchtune_ext.models._gemma2 import lora_gemma2, lora_gemma2_2b, lora_gemma2_9b, lora_gemma2_27b
 from torchtune_ext.models._init import check_adapter_state, init_adapters_, init_weights_, materialize_
 from torchtune_ext.models._phi3 import lora_phi, lora_phi3_5_mini, lora_phi4_mini  # [issue 20]
+from torchtune_ext.models._phi4_mini_tokenizer import Phi4MiniTokenizer, phi4_mini_tokenizer
 from torchtune_ext.models._qlora import build_qlora, qlora_builder
 from torchtune_ext.models._qwen3 import (  # [issue 20]
     lora_qwen3,
@@ -116,6 +117,8 @@ __all__ = [
     "lora_phi",  # [issue 20]
     "lora_phi3_5_mini",
     "lora_phi4_mini",
+    "Phi4MiniTokenizer",
+    "phi4_mini_tokenizer",
     "qlora_llama3_3_70b",
     "qlora_phi3_5_mini",
     "qlora_phi4_mini",
