@@ -40,6 +40,7 @@ def test_every_model_family_has_a_config():
         "gemma2/9B_qlora_single_device.yaml",
         "gemma2/27B_qlora_single_device.yaml",
         "phi3/mini_qlora_single_device.yaml",
+        "phi3/mini_4_qlora_single_device.yaml",
     }
 
 

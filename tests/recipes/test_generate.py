@@ -170,6 +170,7 @@ SHIPPED = {
     "gemma2/9B",
     "gemma2/27B",
     "phi3/mini",
+    "phi3/mini_4",
     "llama3_3/70B",
 }
 
