@@ -156,6 +156,30 @@ def test_the_shipped_configs_tokenizer_section_builds(files):
         assert isinstance(config.instantiate(section), Phi4MiniTokenizer), name
 
 
+def test_torchtunes_chat_dataset_labels_only_the_assistant_turns(ours, hf, tmp_path):
+    """torchtune's ``chat_dataset`` (OpenAI style, ``train_on_input=False``) with our tokenizer: tokens are the chat
+    template's; labels are the tokens inside assistant messages (and the final eos), -100 elsewhere."""
+    from torchtune.datasets import chat_dataset
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    dataset = chat_dataset(
+        ours, source="json", data_files=str(data), conversation_column="messages", conversation_style="openai"
+    )
+    for sample, conversation in zip(dataset, CONVERSATIONS):
+        tokens = _ids(hf.apply_chat_template(conversation, tokenize=True))
+        ends = [
+            len(_ids(hf.apply_chat_template(conversation[: k + 1], tokenize=True))) - 1
+            for k in range(len(conversation))
+        ]
+        trained = [False] * len(tokens)
+        for k, (start, end) in enumerate(zip([0, *ends], ends)):
+            trained[start:end] = [conversation[k]["role"] == "assistant"] * (end - start)
+        trained[-1] = True
+        assert sample["tokens"] == tokens
+        assert sample["labels"] == [t if keep else -100 for t, keep in zip(tokens, trained)]
+
+
 def test_bad_input_fails_naming_the_fix(files, tmp_path, ours):
     plain = Tokenizer(models.BPE())
     plain.pre_tokenizer = pre_tokenizers.ByteLevel()
