@@ -426,3 +426,62 @@ def test_a_random_phi_base_has_transformers_keys_and_shapes(bases, workdir):
     folder = write_random_hf_checkpoint(workdir / "random_phi4", model, model_type, hf_config, torch.float32)
     ours, theirs = load_file(folder / "model.safetensors"), load_file(base / "model.safetensors")
     assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+
+
+def test_the_phi4_mini_config_trains_on_chat_data_through_its_tokenizer(bases, workdir):
+    """[issue 20] ``configs/phi3/mini_4_qlora_single_device.yaml`` with its own tokenizer component
+    (``phi4_mini_tokenizer`` on a small BPE ``tokenizer.json`` with Phi-4-mini's chat tokens) and torchtune's
+    ``chat_dataset``: an fp32 CPU step on the 2-layer Phi-4-mini checkpoint trains the adapter (the assistant turn
+    is labelled: all-masked labels would leave every lora_B zero), and both exports are written."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    folder = workdir / "phi4_chat"
+    folder.mkdir()
+    chat = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 12 + 30?"},
+        {"role": "assistant", "content": "42."},
+    ]
+    (folder / "chat.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    special = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special, initial_alphabet=alphabet)
+    tokenizer.train_from_iterator([m["content"] for m in chat], trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": special[0], "eos_token": special[0]}))
+    # The shipped config less the keys run_recipe drops for the tiny tokenizer; they come back as overrides.
+    shipped = OmegaConf.load("configs/phi3/mini_4_qlora_single_device.yaml")
+    del shipped.tokenizer["path"], shipped.dataset["packed"]
+    OmegaConf.save(shipped, folder / "config.yaml")
+    out = folder / "out"
+    tiny = [a for a in tiny_training_args(out, STEPS) if not a.startswith(("tokenizer.", "dataset."))]
+    args = [
+        f"output_dir={out}",
+        f"checkpointer.checkpoint_dir={bases['phi4_mini']}",
+        "checkpointer.checkpoint_files=[model.safetensors]",
+        f"model.num_layers={NUM_LAYERS}",
+        "model.embed_dim=384",
+        "model.num_heads=3",
+        "model.num_kv_heads=1",
+        "model.intermediate_dim=1024",
+        "model.vocab_size=4096",
+        *tiny,
+        f"tokenizer.path={folder / 'tokenizer.json'}",
+        "tokenizer.max_seq_len=48",
+        "dataset._component_=torchtune.datasets.chat_dataset",
+        "dataset.source=json",
+        f"dataset.data_files={folder / 'chat.jsonl'}",
+        "dataset.conversation_column=messages",
+        "dataset.conversation_style=openai",
+        "batch_size=1",
+    ]
+    cfg = run_recipe(str(folder / "config.yaml"), args, RUN_TIMEOUT_S)
+    assert cfg.tokenizer._component_ == "torchtune_ext.models.phi4_mini_tokenizer"
+    step = out / "step_1"
+    adapter = load_file(step / "adapter" / "adapter_model.safetensors")
+    lora_b = [tensor for key, tensor in adapter.items() if "lora_B" in key]
+    assert lora_b and all(tensor.abs().max() > 0 for tensor in lora_b)
+    merged = json.loads((step / "merged" / "config.json").read_text())
+    assert merged["tie_word_embeddings"] and merged["num_key_value_heads"] == 1
