@@ -31,6 +31,7 @@ class Phi4MiniTokenizer(ModelTokenizer, Transform):
         prompt_template (Optional[PromptTemplate]): applied to the messages before they are tokenized.
 
     Raises:
+        FileNotFoundError: if the ``tokenizer_config.json`` is missing.
         ValueError: if ``tokenizer.json`` lacks one of Phi-4-mini's chat tokens.
     """
 
@@ -42,6 +43,11 @@ class Phi4MiniTokenizer(ModelTokenizer, Transform):
         prompt_template: Optional[PromptTemplate] = None,
     ):
         config_path = tokenizer_config_path or str(Path(path).with_name("tokenizer_config.json"))
+        if not Path(config_path).is_file():
+            raise FileNotFoundError(
+                f"{config_path} (BOS / EOS) does not exist: it ships with Phi-4-mini beside tokenizer.json; "
+                "set tokenizer.tokenizer_config_path to where it is."
+            )
         self._base = HuggingFaceBaseTokenizer(path, tokenizer_config_json_path=config_path)
         self.special_tokens = _chat_token_ids(self._base, path)
         self.bos_id = self._base.bos_id
@@ -87,7 +93,7 @@ class Phi4MiniTokenizer(ModelTokenizer, Transform):
     ) -> Tuple[List[int], List[bool]]:
         """Tokenizes messages as Phi-4-mini's chat template does: ``<|role|>`` + content + ``<|end|>`` per message,
         then ``<|endoftext|>``. Each token's mask is its message's ``masked`` (the final ``<|endoftext|>`` takes
-        the last message's).
+        the last tokenized message's).
 
         Args:
             messages (List[Message]): the conversation.
@@ -117,10 +123,10 @@ class Phi4MiniTokenizer(ModelTokenizer, Transform):
                 break
         if add_end_tokens:
             tokens.append(self.eos_id)
-            mask.append(templated[-1].masked)
+            mask.append(message.masked)
         if self.max_seq_len and len(tokens) > self.max_seq_len:
             tokens = truncate(tokens, self.max_seq_len, self.eos_id if add_end_tokens else None)
-            mask = truncate(mask, self.max_seq_len, templated[-1].masked if add_end_tokens else None)
+            mask = truncate(mask, self.max_seq_len, message.masked if add_end_tokens else None)
         return tokens, mask
 
     def _content_ids(self, message: Message) -> List[int]:

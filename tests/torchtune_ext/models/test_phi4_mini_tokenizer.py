@@ -188,5 +188,8 @@ def test_bad_input_fails_naming_the_fix(files, tmp_path, ours):
     (tmp_path / "tokenizer_config.json").write_text((files / "tokenizer_config.json").read_text())
     with pytest.raises(ValueError, match=r"lacks Phi-4-mini's chat tokens \['<\|assistant\|>'"):
         Phi4MiniTokenizer(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="set tokenizer.tokenizer_config_path"):
+        Phi4MiniTokenizer(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="no chat role 'ipython'"):
         ours.tokenize_messages([Message(role="ipython", content="x")])
