@@ -105,7 +105,14 @@ _POSITIVE_OR_NULL = (
     "tokenizer.max_seq_len",
 )
 #: tokenizer arguments that name files.
-TOKENIZER_FILE_KEYS = ("path", "merges_file", "vocab_file", "special_tokens_path", "tokenizer_json_path")
+TOKENIZER_FILE_KEYS = (
+    "path",
+    "merges_file",
+    "vocab_file",
+    "special_tokens_path",
+    "tokenizer_json_path",
+    "tokenizer_config_path",
+)
 #: the columns torchtune's data set builders read from each sample: (required, optional), by builder.
 _ALPACA_COLUMNS = (("instruction", "output"), ("input",))
 _DATASET_COLUMNS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
