@@ -157,7 +157,7 @@ def test_a_truncated_newest_state_falls_back_to_the_previous_one(runs, tmp_path)
     assert rc == 0, output[-4000:]
     assert "is not a readable recipe state" in output
     assert f"Resuming from the previous recipe state instead: {out / 'recipe_state' / 'recipe_state.prev.pt'}" in output
-    assert "Resumed at step 1, epoch 1, sample 16 of 64, on 1 rank; saved on 1." in output
+    assert "Resumed from step 1 (epoch 1, batch 1): sample 16 of 64, on 1 rank; saved on 1." in output
     resumed, straight = logged(out / "logs"), logged(runs["straight"] / "logs")
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert max(abs(resumed[s] - straight[s]) for s in straight) < TOLERANCE, (resumed, straight)

@@ -286,7 +286,7 @@ class RecipeSetup(FTRecipeInterface):
         Raises:
             ValueError: listing what differs in what defines the run, or if the adapters differ.
         """
-        for line in state.check_resume(self._run, self._kept_ids, self.settings.epochs, self.world_size):  # [issue 24]
+        for line in state.check_resume(self._run, self._kept_ids, self.settings.epochs):  # [issue 24]
             self._info(line)
         check_adapter_state(self._model, state.adapter)
         if state.max_steps_per_epoch != self.max_steps_per_epoch:
@@ -449,8 +449,7 @@ class RecipeSetup(FTRecipeInterface):
             state.restore_lr_scheduler_(self._lr_scheduler, hyperparameters)  # [issue 24]
             self._rng_to_restore = state.rng_for(self.rank, self.world_size)  # [issue 24]
             if self.epochs_run < self.settings.epochs:  # [issue 17] the step the interrupt message named
-                epoch, batch = self._epoch_and_batch()
-                self._info(f"Checkpoint loaded: resumed from step {self.global_step} (epoch {epoch}, batch {batch}).")
+                self._info(state.describe_position(self.world_size, *self._epoch_and_batch()))  # [issue 24] the data
         self._info(f"Memory after setup: {format_memory_stats(self._memory_metrics())}")
 
     # ---------------------------------------------------------------------------------------------- cross-rank
