@@ -2,7 +2,7 @@
 current optimizer step finish, the recipe then writes a resumable checkpoint and exits with ``128 + signal``
 (130, 143), printing the step and the command that resumes the run.
 
-A second signal aborts at once: ``KeyboardInterrupt`` (SIGINT) or ``SystemExit(143)`` (SIGTERM) is raised where the
+A second signal aborts at once: ``SystemExit(128 + signal)`` (130, 143; one line, no traceback) is raised where the
 recipe is, and the checkpoint writes (:mod:`torchtune_ext.checkpoint._atomic`) delete their temporaries on the way
 out, so no half-written file is left under a final name. Under a distributed launcher a repeat within
 :data:`REPEAT_GRACE_S` is the same interrupt: a terminal's Ctrl-C reaches every process of the group and torchrun
@@ -114,8 +114,6 @@ class InterruptGuard:
             return
         self._restore()
         _say(f"{name} received again: aborting now, without saving.")
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
         raise SystemExit(128 + signum)
 
     def requested(self) -> bool:
