@@ -183,7 +183,7 @@ class RecipeSetup(FTRecipeInterface):
         self._loss_scaler = loss_scaler(
             enabled=self.settings.dtype == torch.float16, device=self.settings.device, **cfg.get("loss_scaler", {})
         )
-        self._guard = NonFiniteGuard(self._loss_scaler)  # [issue 24]
+        self._guard = NonFiniteGuard(self._loss_scaler, self.settings.clip_grad_norm)  # [issue 24]
 
         # From here on, outputs are written.
         self._start_writing(cfg)
