@@ -17,6 +17,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from reliability_utils import (
+    DIST_CONFIG,
+    DIST_RECIPE,
     REPO,
     SINGLE_CONFIG,
     SINGLE_RECIPE,
@@ -193,3 +195,19 @@ def test_nan_in_a_base_weight_is_named_at_load(recipe_module, base, tmp_path):
     assert f"The base checkpoint in {broken} holds NaN or infinite values" in text, text
     assert "in 2 tensor(s): ['model.layers.1.mlp.down_proj.weight (layers.1.mlp.w2.weight)', 'model.norm.weight" in text
     assert not list(out.glob("step_*"))
+
+
+@pytest.mark.distributed
+def test_distributed_divergence_exits_1_with_the_message_once(tmp_path, base):
+    """2 gloo ranks (``tune run --nproc_per_node 2``): every rank stops at the NaN step; the launcher exits 1 with the
+    message once, without a worker's traceback or torchrun's failure block."""
+    out = tmp_path / "distributed"
+    overrides = small_run(out, base, STEPS, out / "logs") + ["batch_size=2", "optimizer.lr=1e30"]
+    run = tune(DIST_RECIPE, DIST_CONFIG, overrides, tmp_path / "distributed.log", nproc=2)
+    rc = run.wait()
+    assert_no_leftovers([run])
+    assert rc == 1, run.output[-3000:]
+    assert run.output.count("Training diverged at step 3") == 1, run.output[-3000:]
+    for noise in ("Traceback", "ChildFailedError", "exitcode  :"):
+        assert noise not in run.output, run.output[-3000:]
+    assert not list(out.glob("step_*")) and _nonfinite_files(out) == []
