@@ -165,7 +165,11 @@ def test_a_truncated_newest_state_falls_back_to_the_previous_one(runs, tmp_path)
 
 def test_resuming_a_finished_run_says_so(runs, tmp_path):
     out, args = _resume(runs, tmp_path, source="straight")
+    before = snapshot(out)
     rc, output = _start(args, tmp_path / "resume.log")
     assert rc == 0, output[-4000:]
+    assert snapshot(out) == before, "a finished run's resume writes nothing"
     assert f"This run had already finished: step {STEPS}, epoch 1 of 1; nothing is left to train." in output
     assert str(out / f"step_{STEPS}" / "adapter") in output and str(out / f"step_{STEPS}" / "merged") in output
+    for skipped in ("Loaded ", "Writing logs to", "Disk: "):  # said before the base weights load, which they do not
+        assert skipped not in output, output[-4000:]

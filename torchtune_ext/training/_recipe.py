@@ -195,7 +195,9 @@ class QLoRARecipe(RecipeSetup):
 
     def train(self) -> None:
         """Trains (:meth:`_train_epochs`); SIGINT or SIGTERM stop it after the current step with a resumable
-        checkpoint and exit code 128 + signal (:meth:`_stop_interrupted`)."""
+        checkpoint and exit code 128 + signal (:meth:`_stop_interrupted`). A finished run trains no further."""
+        if self.finished:
+            return
         with InterruptGuard() as self._interrupt:  # [issue 17]
             self._train_epochs()
 
@@ -457,7 +459,9 @@ class QLoRARecipe(RecipeSetup):
 
     def cleanup(self) -> None:
         """Closes the metric logger and prints (rank 0) the run's summary: loss, peak memory, mean tokens/s, and
-        where the outputs are. Collective."""
+        where the outputs are (a resumed run that had finished said it at setup). Collective."""
+        if self.finished:
+            return
         memory = self._memory_metrics()
         if not self._is_rank_zero:
             return

@@ -115,6 +115,7 @@ class RecipeSetup(FTRecipeInterface):
     _dataloader: StatefulDataLoader
     _val_dataloader: Optional[StatefulDataLoader]
     seed: int
+    finished: bool
     epochs_run: int
     global_step: int
     _steps_in_epoch_done: int
@@ -133,6 +134,7 @@ class RecipeSetup(FTRecipeInterface):
         self._pruning = None
         self._kept_ids = None
         self._pad_to_multiple: Optional[int] = None
+        self.finished = False  # resumed a run that had finished: nothing is loaded, trained or written
         self.epochs_run = 0
         self.global_step = 0
         self._steps_in_epoch_done = 0
@@ -152,7 +154,8 @@ class RecipeSetup(FTRecipeInterface):
 
     def setup(self, cfg: DictConfig) -> None:
         """Builds everything in the order of the module docstring; nothing is written under ``output_dir`` before
-        the config, the data and the resumed state have been checked. Collective on several ranks."""
+        the config, the data and the resumed state have been checked. A resumed run that had finished stops after
+        saying so (:attr:`finished`), before the base weights load. Collective on several ranks."""
         check_run_folders(cfg)  # [issue 24] every folder the run writes is writable, before anything is written
         self._set_seed(cfg)
         # [issue 17] a busy output_dir, or one holding another run's checkpoints, is refused before any write
@@ -177,6 +180,9 @@ class RecipeSetup(FTRecipeInterface):
         state = self._checkpointer.load_recipe_state() if self.settings.resume_from_checkpoint else None
         if state is not None:
             self._check_recipe_state(state)
+            if self.epochs_run >= self.settings.epochs:  # [issue 24] said so (step, outputs); no load, no write
+                self.finished = True
+                return
         self._saved_log_dir = state.metric_log_dir if state is not None else None  # [issue 17]
 
         loss_scaler = DistributedLossScaler if self.world_size > 1 else LossScaler
