@@ -24,6 +24,7 @@ from typing import Dict, List, Sequence
 
 import psutil
 import pytest
+from omegaconf import OmegaConf
 from reliability_utils import (
     DIST_CONFIG,
     DIST_RECIPE,
@@ -32,6 +33,7 @@ from reliability_utils import (
     RUN_TIMEOUT_S,
     SINGLE_CONFIG,
     SINGLE_RECIPE,
+    TUNE,
     Run,
     adapter,
     assert_no_leftovers,
@@ -249,4 +251,25 @@ def test_a_second_signal_aborts_with_one_line(tmp_path, base, sig):
         assert noise not in output, output[-4000:]
     written = [p.name for p in out.iterdir() if p.name.startswith(("step_", "recipe_state", ".step_"))]
     assert not written, "nothing saved, nothing half-written"
+    assert_no_leftovers([run])
+
+
+def test_ctrl_c_while_setting_up_a_background_job_stops_it(tmp_path, base):
+    """A background job of a non-interactive shell starts with SIGINT ignored; a Ctrl-C sent to it while it sets up
+    (paused here where it would write the tiny base checkpoint) still stops it: exit 130, one line, nothing saved."""
+    cfg = OmegaConf.load(SINGLE_CONFIG)
+    marker = tmp_path / "setup.pid"
+    cfg.generate_base_checkpoint = {"_component_": "reliability_faults.pause_here", "marker": str(marker)}
+    config = tmp_path / "pausing.yaml"
+    OmegaConf.save(cfg, config)
+    out = tmp_path / "stopped"
+    command = shlex.join([str(TUNE), "run", SINGLE_RECIPE, "--config", str(config), *_overrides(out, base, 0)])
+    run = Run(["bash", "-c", f"trap '' INT; exec {command}"], env(), tmp_path / "stopped.log")
+    os.kill(run.wait_for_marker(marker), signal.SIGINT)
+    rc = run.wait()
+    output = run.output
+    assert rc == 130, f"rc {rc}:\n{output[-4000:]}"
+    assert "SIGINT received before training started: stopping now; nothing was trained or saved." in output
+    assert "Traceback" not in output and "Loaded " not in output, output[-4000:]
+    assert not out.exists() or not [p for p in out.iterdir() if p.name.startswith(("step_", "recipe_state"))]
     assert_no_leftovers([run])

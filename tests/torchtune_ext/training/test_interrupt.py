@@ -74,6 +74,21 @@ def test_second_signal_aborts_at_once(sig, code):
     assert abort.value.code == code
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_before_training_the_first_signal_stops_at_once_even_where_it_was_ignored(sig):
+    """The setup's guard: a background job (SIGINT ignored) is still stopped by Ctrl-C while loading."""
+    previous = signal.signal(sig, signal.SIG_IGN)
+    try:
+        with pytest.raises(SystemExit) as abort:
+            with InterruptGuard(save=False):
+                _send(sig)
+                raise AssertionError("not stopped")
+        assert abort.value.code == 128 + sig
+        assert signal.getsignal(sig) is signal.SIG_IGN  # the previous handler is back
+    finally:
+        signal.signal(sig, previous)
+
+
 def test_repeat_within_grace_is_the_same_interrupt():
     """A launcher forwarding the terminal's Ctrl-C to its workers: the repeat does not abort."""
     with InterruptGuard(repeat_grace_s=60.0) as interrupt:
