@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from torchtune_ext.config import UserFacingError
 
-class NonFiniteError(RuntimeError):
-    """Training produced, or was given, NaN or infinite values; the run stops before writing any of them."""
+
+class NonFiniteError(UserFacingError, RuntimeError):
+    """Training produced, or was given, NaN or infinite values; the run stops before writing any of them (its message
+    is the report: the entry points print it without a traceback, exit code 1)."""
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

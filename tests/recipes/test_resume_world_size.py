@@ -100,7 +100,10 @@ def test_resume_on_another_world_size_matches_an_uninterrupted_run(base, uninter
     output = _run(out, base, resumed_on, "resume_from_checkpoint=True")
     ranks = "rank" if resumed_on == 1 else "ranks"
     samples = STOP * GLOBAL_BATCH * ACCUMULATION
-    expected = f"Resumed at step {STOP}, epoch 1, sample {samples} of 64, on {resumed_on} {ranks}; saved on {saved_on}."
+    expected = (
+        f"Resumed from step {STOP} (epoch 1, batch {STOP * ACCUMULATION}): sample {samples} of 64, on {resumed_on} "
+        f"{ranks}; saved on {saved_on}."
+    )
     assert expected in output, output[-4000:]
     losses = _losses(out)
     assert sorted(losses) == sorted(uninterrupted) == list(range(1, STEPS + 1))

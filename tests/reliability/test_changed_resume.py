@@ -157,7 +157,7 @@ def test_a_truncated_newest_state_falls_back_to_the_previous_one(runs, tmp_path)
     assert rc == 0, output[-4000:]
     assert "is not a readable recipe state" in output
     assert f"Resuming from the previous recipe state instead: {out / 'recipe_state' / 'recipe_state.prev.pt'}" in output
-    assert "Resumed at step 1, epoch 1, sample 16 of 64, on 1 rank; saved on 1." in output
+    assert "Resumed from step 1 (epoch 1, batch 1): sample 16 of 64, on 1 rank; saved on 1." in output
     resumed, straight = logged(out / "logs"), logged(runs["straight"] / "logs")
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert max(abs(resumed[s] - straight[s]) for s in straight) < TOLERANCE, (resumed, straight)
@@ -165,7 +165,11 @@ def test_a_truncated_newest_state_falls_back_to_the_previous_one(runs, tmp_path)
 
 def test_resuming_a_finished_run_says_so(runs, tmp_path):
     out, args = _resume(runs, tmp_path, source="straight")
+    before = snapshot(out)
     rc, output = _start(args, tmp_path / "resume.log")
     assert rc == 0, output[-4000:]
+    assert snapshot(out) == before, "a finished run's resume writes nothing"
     assert f"This run had already finished: step {STEPS}, epoch 1 of 1; nothing is left to train." in output
     assert str(out / f"step_{STEPS}" / "adapter") in output and str(out / f"step_{STEPS}" / "merged") in output
+    for skipped in ("Loaded ", "Writing logs to", "Disk: "):  # said before the base weights load, which they do not
+        assert skipped not in output, output[-4000:]

@@ -24,6 +24,7 @@ from typing import Dict, List, Sequence
 
 import psutil
 import pytest
+from omegaconf import OmegaConf
 from reliability_utils import (
     DIST_CONFIG,
     DIST_RECIPE,
@@ -32,6 +33,7 @@ from reliability_utils import (
     RUN_TIMEOUT_S,
     SINGLE_CONFIG,
     SINGLE_RECIPE,
+    TUNE,
     Run,
     adapter,
     assert_no_leftovers,
@@ -173,7 +175,7 @@ def _interrupt_and_resume(tmp_path: Path, base: Path, reference: Path, sig: int,
     assert command[-1] == "resume_from_checkpoint=True"
     resumed = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
-    resumed_line = f"resumed from step {step} (epoch {epoch}, batch {match.group(3)})"  # the step it stopped at
+    resumed_line = f"Resumed from step {step} (epoch {epoch}, batch {match.group(3)}): "  # the step it stopped at
     assert resumed_line in resumed.stdout + resumed.stderr, resumed.stdout[-3000:] + resumed.stderr[-6000:]
 
     assert len(_tensorboard_runs(out)) == 1, _tensorboard_runs(out)
@@ -232,3 +234,42 @@ def test_interrupt_in_the_last_step_of_an_epoch(tmp_path, base, reference_single
     assert max(abs(losses[s] - reference_losses[s]) for s in losses) <= TOLERANCE
     assert max_abs_diff(adapter(out / f"step_{STEPS}"), adapter(reference_single / f"step_{STEPS}")) <= TOLERANCE
     assert (out / f"step_{STEPS}" / "merged").is_dir()  # the end of the run's
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_second_signal_aborts_with_one_line(tmp_path, base, sig):
+    """The signal twice within one step (the fault-injecting loss sends it in both micro-batches of step 2): the run
+    aborts with 128 + signal and one line, no traceback, and leaves no checkpoint and no temporary file."""
+    out = tmp_path / "aborted"
+    fault = ["gradient_accumulation_steps=2", "loss.fault=signal", "loss.steps=[3,4]", f"loss.signum={int(sig)}"]
+    run = _start(out, base, 0, fault)
+    rc = run.wait()
+    output = run.output
+    assert rc == 128 + sig, f"rc {rc}:\n{output[-4000:]}"
+    assert f"{signal.Signals(sig).name} received again: aborting now, without saving." in output
+    for noise in ("Traceback", "KeyboardInterrupt", "Interrupted by"):
+        assert noise not in output, output[-4000:]
+    written = [p.name for p in out.iterdir() if p.name.startswith(("step_", "recipe_state", ".step_"))]
+    assert not written, "nothing saved, nothing half-written"
+    assert_no_leftovers([run])
+
+
+def test_ctrl_c_while_setting_up_a_background_job_stops_it(tmp_path, base):
+    """A background job of a non-interactive shell starts with SIGINT ignored; a Ctrl-C sent to it while it sets up
+    (paused here where it would write the tiny base checkpoint) still stops it: exit 130, one line, nothing saved."""
+    cfg = OmegaConf.load(SINGLE_CONFIG)
+    marker = tmp_path / "setup.pid"
+    cfg.generate_base_checkpoint = {"_component_": "reliability_faults.pause_here", "marker": str(marker)}
+    config = tmp_path / "pausing.yaml"
+    OmegaConf.save(cfg, config)
+    out = tmp_path / "stopped"
+    command = shlex.join([str(TUNE), "run", SINGLE_RECIPE, "--config", str(config), *_overrides(out, base, 0)])
+    run = Run(["bash", "-c", f"trap '' INT; exec {command}"], env(), tmp_path / "stopped.log")
+    os.kill(run.wait_for_marker(marker), signal.SIGINT)
+    rc = run.wait()
+    output = run.output
+    assert rc == 130, f"rc {rc}:\n{output[-4000:]}"
+    assert "SIGINT received before training started: stopping now; nothing was trained or saved." in output
+    assert "Traceback" not in output and "Loaded " not in output, output[-4000:]
+    assert not out.exists() or not [p for p in out.iterdir() if p.name.startswith(("step_", "recipe_state"))]
+    assert_no_leftovers([run])

@@ -14,20 +14,23 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from torchtune_ext import _compat
+from torchtune_ext._finite import NonFiniteError
 from torchtune_ext.config import ConfigError, exit_on_config_error
 
 LINE = "recipe: error: unknown key 'dtpye': did you mean 'dtype'?"
 SIGTERMED = -int(signal.SIGTERM)  # torchrun's code for a worker it stopped
+CONFIG_ERROR = ConfigError("unknown key 'dtpye': did you mean 'dtype'?", "dtpye")
+DIVERGED = NonFiniteError("Training diverged at step 3 (lr 0.001): the loss is nan.")
 
 
-def _worker_exit(monkeypatch, rank: int) -> int:
-    """A worker of ``rank`` stopped by a config error, as torchrun starts it; returns its exit code."""
+def _worker_exit(monkeypatch, rank: int, error: Exception = CONFIG_ERROR) -> int:
+    """A worker of ``rank`` stopped by ``error``, as torchrun starts it; returns its exit code."""
     monkeypatch.setenv("RANK", str(rank))
     before = signal.getsignal(signal.SIGTERM)
 
     @exit_on_config_error("recipe")
     def main() -> None:
-        raise ConfigError("unknown key 'dtpye': did you mean 'dtype'?", "dtpye")
+        raise error
 
     try:
         with pytest.raises(SystemExit) as stop:
@@ -39,11 +42,16 @@ def _worker_exit(monkeypatch, rank: int) -> int:
 
 def _launcher(monkeypatch, workers: Dict[int, str], tmp_path) -> types.SimpleNamespace:
     """torchtune's ``torchtune._cli.run`` reduced to a launch whose workers ``workers`` (rank -> ``"config error"``,
-    ``"stopped"`` (by torchrun, before it got anywhere), or an exit code) end as given."""
+    ``"diverged"``, ``"stopped"`` (by torchrun, before it got anywhere), or an exit code) end as given."""
+    errors = {"config error": CONFIG_ERROR, "diverged": DIVERGED}
 
     def launch(self, args):
         codes = {
-            rank: _worker_exit(monkeypatch, rank) if how == "config error" else SIGTERMED if how == "stopped" else how
+            rank: _worker_exit(monkeypatch, rank, errors[how])
+            if how in errors
+            else SIGTERMED
+            if how == "stopped"
+            else how
             for rank, how in workers.items()
         }
         failures = {rank: ProcessFailure(rank, 10 + rank, code, str(tmp_path / "none")) for rank, code in codes.items()}
@@ -79,8 +87,17 @@ def test_interrupted_workers_exit_like_them(tmp_path, monkeypatch, capsys, sig):
     assert capsys.readouterr().err == ""
 
 
-def test_other_failures_are_torchruns(tmp_path, monkeypatch):
-    module = _launcher(monkeypatch, {0: 1, 1: "config error"}, tmp_path)
+@pytest.mark.parametrize("rank_0", ["stopped", "diverged"])
+def test_a_user_facing_error_exits_1_with_its_line_once(tmp_path, monkeypatch, capsys, rank_0):
+    module = _launcher(monkeypatch, {0: rank_0, 1: "diverged"}, tmp_path)
+    assert _exit_code(module) == 1
+    assert capsys.readouterr().err.splitlines() == [f"recipe: error: {DIVERGED}"]
+
+
+@pytest.mark.parametrize("workers", [{0: 1, 1: "config error"}, {0: 1, 1: "diverged"}], ids=["config", "diverged"])
+def test_other_failures_are_torchruns(tmp_path, monkeypatch, workers):
+    """A worker that exited 1 without a user-facing error (a crash, its traceback printed) keeps torchrun's report."""
+    module = _launcher(monkeypatch, workers, tmp_path)
     with pytest.raises(ChildFailedError):
         module.Run()._run_distributed(None)
 

@@ -425,19 +425,17 @@ class RecipeState:
 
     # --------------------------------------------------------------------------------------------- the resume
 
-    def check_resume(
-        self, run: RunIdentity, kept_ids: Optional[List[int]], total_epochs: int, world_size: int
-    ) -> List[str]:
+    def check_resume(self, run: RunIdentity, kept_ids: Optional[List[int]], total_epochs: int) -> List[str]:
         """Checks that this run is the saved one, before any weight loads.
 
         Args:
             run (RunIdentity): this run's identity and settings.
             kept_ids (Optional[List[int]]): this run's vocab-pruning kept ids.
             total_epochs (int): this run's ``epochs``.
-            world_size (int): this run's number of ranks.
 
         Returns:
-            List[str]: lines to log: the allowed changes, and where the run resumes (or that it had finished).
+            List[str]: lines to log: the allowed changes, and that the run had finished (where it had; where it
+            resumes is :meth:`describe_position`, once the data is loaded).
 
         Raises:
             ConfigError: listing every difference in what defines the run.
@@ -466,8 +464,6 @@ class RecipeState:
                 f"nothing is left to train. Its outputs: {', '.join(outputs) or '(none recorded)'}. To train "
                 f"further, raise epochs (e.g. epochs={self.epochs_run + 1}) and resume."
             )
-        else:
-            lines.append(self.describe_position(world_size))
         return lines
 
     @property
@@ -477,13 +473,22 @@ class RecipeState:
             return None
         return self.source.parent.parent / self.checkpoint
 
-    def describe_position(self, world_size: int) -> str:
-        """E.g. ``resumed at step 3, sample 12 of 64, on 1 rank; saved on 2``."""
+    def describe_position(self, world_size: int, epoch: int, batch: int) -> str:
+        """The resume's line, e.g. ``Resumed from step 3 (epoch 1, batch 6): sample 24 of 64, on 1 rank; saved on 2.``
+
+        Args:
+            world_size (int): this run's number of ranks.
+            epoch (int): the epoch (from 1) of the last completed step, as the interrupt message named it.
+            batch (int): that epoch's batches done.
+        """
         position = self.position
         ranks = "rank" if world_size == 1 else "ranks"
+        data = f"sample {position.samples_consumed} of {position.dataset_size}"
+        if position.epoch + 1 != epoch:  # resumed between epochs: the next one starts
+            data = f"epoch {position.epoch + 1} starts at {data}"
         return (
-            f"Resumed at step {self.global_step}, epoch {position.epoch + 1}, sample {position.samples_consumed} of "
-            f"{position.dataset_size}, on {world_size} {ranks}; saved on {position.world_size}."
+            f"Resumed from step {self.global_step} (epoch {epoch}, batch {batch}): {data}, on {world_size} {ranks}; "
+            f"saved on {position.world_size}."
         )
 
     def restore_optimizer_(self, optimizer: torch.optim.Optimizer, load: Any) -> List[Dict[str, Any]]:

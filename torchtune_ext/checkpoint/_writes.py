@@ -17,6 +17,8 @@ from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Union
 
 import torch
 
+from torchtune_ext.config import UserFacingError
+
 PathLike = Union[str, Path]
 
 _CAUSES: Dict[int, str] = {
@@ -50,8 +52,9 @@ def free_bytes(path: PathLike) -> int:
     return shutil.disk_usage(existing_folder(path)).free
 
 
-class WriteError(OSError):
-    """A file could not be written: names the file, the cause and the folder (with its free space).
+class WriteError(UserFacingError, OSError):
+    """A file could not be written: names the file, the cause and the folder (with its free space); the entry points
+    print it without a traceback (exit code 1).
 
     Args:
         path (PathLike): the file (or folder) being written.

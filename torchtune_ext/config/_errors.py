@@ -1,5 +1,5 @@
-"""The error type of bad configs and inputs, and how the entry points print it: one line per problem, no traceback
-(``TORCHTUNE_EXT_TRACEBACK=1`` shows it)."""
+"""The errors whose message says what happened and what to do (bad configs and inputs, a diverged run, a failed
+write), and how the entry points print them: their lines, no traceback (``TORCHTUNE_EXT_TRACEBACK=1`` shows it)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 CONFIG_ERROR_DIR_ENV = "TORCHTUNE_EXT_CONFIG_ERROR_DIR"
 
 
-class ConfigError(ValueError):
+class UserFacingError(Exception):
+    """A failure whose message is the whole report: what happened, what was kept, what to do. The entry points
+    (:func:`exit_on_config_error`) print its lines without a traceback and exit with :attr:`exit_code`."""
+
+    #: the exit code of a run stopped by it.
+    exit_code = 1
+
+
+class ConfigError(UserFacingError, ValueError):
     """A bad config value or input file, found before anything is written. Its message is one line per problem, each
     naming the key, the value and the fix.
 
@@ -27,6 +35,8 @@ class ConfigError(ValueError):
         message (str): the problem(s), one per line.
         key (str): the config key at fault (the first one, when several are).
     """
+
+    exit_code = CONFIG_ERROR_EXIT_CODE
 
     def __init__(self, message: str, key: str = ""):
         super().__init__(message)
@@ -51,13 +61,13 @@ def bad_value(key: str, value: Any, problem: str, fix: str = "") -> ConfigError:
     return ConfigError(f"{key}={value!r} {problem}" + (f"; {fix}" if fix else ""), key)
 
 
-def print_config_error(error: ConfigError, prog: str) -> None:
+def print_config_error(error: UserFacingError, prog: str) -> None:
     """Prints ``<prog>: error: <line>`` for each line of the error to stderr."""
     for line in str(error).splitlines():
         print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
 
 
-def _report_to_launcher(error: ConfigError, prog: str) -> None:
+def _report_to_launcher(error: UserFacingError, prog: str) -> None:
     """Under ``tune run --nproc_per_node N``, writes the error's lines where the launcher looks: when another rank
     exits first and torchrun stops rank 0 before it printed them, the launcher prints them
     (``torchtune_ext._compat``)."""
@@ -72,8 +82,9 @@ def _report_to_launcher(error: ConfigError, prog: str) -> None:
 
 
 def exit_on_config_error(prog: str) -> Callable[[F], F]:
-    """Decorates an entry point: a :class:`ConfigError` prints its line(s) (rank 0 only under a launcher) and exits
-    with :data:`CONFIG_ERROR_EXIT_CODE`, without a traceback unless ``TORCHTUNE_EXT_TRACEBACK=1``.
+    """Decorates an entry point: a :class:`UserFacingError` prints its line(s) (rank 0 only under a launcher) and
+    exits with its ``exit_code`` (:data:`CONFIG_ERROR_EXIT_CODE` for a :class:`ConfigError`), without a traceback
+    unless ``TORCHTUNE_EXT_TRACEBACK=1``.
 
     Args:
         prog (str): the name the lines start with (the recipe's or the command's).
@@ -87,7 +98,7 @@ def exit_on_config_error(prog: str) -> Callable[[F], F]:
         def run(*args: Any, **kwargs: Any) -> Any:
             try:
                 return main(*args, **kwargs)
-            except ConfigError as error:
+            except UserFacingError as error:
                 if os.environ.get(TRACEBACK_ENV, "") == "1":
                     raise
                 _report_to_launcher(error, prog)
@@ -95,7 +106,7 @@ def exit_on_config_error(prog: str) -> Callable[[F], F]:
                     # torchrun stops the other workers with SIGTERM once one has exited: not before the line is out.
                     signal.signal(signal.SIGTERM, signal.SIG_IGN)
                     print_config_error(error, prog)
-                sys.exit(CONFIG_ERROR_EXIT_CODE)
+                sys.exit(error.exit_code)
 
         return run  # type: ignore[return-value]
 

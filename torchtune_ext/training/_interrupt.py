@@ -2,7 +2,8 @@
 current optimizer step finish, the recipe then writes a resumable checkpoint and exits with ``128 + signal``
 (130, 143), printing the step and the command that resumes the run.
 
-A second signal aborts at once: ``KeyboardInterrupt`` (SIGINT) or ``SystemExit(143)`` (SIGTERM) is raised where the
+A second signal aborts at once, and so does the first before training starts (``InterruptGuard(save=False)``, the
+setup: nothing to save yet): ``SystemExit(128 + signal)`` (130, 143; one line, no traceback) is raised where the
 recipe is, and the checkpoint writes (:mod:`torchtune_ext.checkpoint._atomic`) delete their temporaries on the way
 out, so no half-written file is left under a final name. Under a distributed launcher a repeat within
 :data:`REPEAT_GRACE_S` is the same interrupt: a terminal's Ctrl-C reaches every process of the group and torchrun
@@ -63,6 +64,8 @@ class InterruptGuard:
     Args:
         repeat_grace_s (Optional[float]): repeats within this many seconds of the first signal are ignored;
             None: :data:`REPEAT_GRACE_S` under a distributed launcher, else 0.
+        save (bool): False: the first signal aborts at once (``SystemExit(128 + signal)``), as before training
+            starts, where there is nothing to save.
 
     Example:
         >>> saved = []
@@ -75,7 +78,8 @@ class InterruptGuard:
         []
     """
 
-    def __init__(self, repeat_grace_s: Optional[float] = None) -> None:
+    def __init__(self, repeat_grace_s: Optional[float] = None, save: bool = True) -> None:
+        self._save = save
         if repeat_grace_s is None:
             repeat_grace_s = REPEAT_GRACE_S if _under_launcher() else 0.0
         self._repeat_grace_s = float(repeat_grace_s)
@@ -103,6 +107,8 @@ class InterruptGuard:
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         now = time.monotonic()
         name = signal.Signals(signum).name
+        if not self._save:
+            self._abort(signum, f"{name} received before training started: stopping now; nothing was trained or saved.")
         if self._received is None:
             self._received, self._received_at = signum, now
             _say(
@@ -112,10 +118,15 @@ class InterruptGuard:
             return
         if now - self._received_at < self._repeat_grace_s:
             return
-        self._restore()
-        _say(f"{name} received again: aborting now, without saving.")
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        self._abort(signum, f"{name} received again: aborting now, without saving.")
+
+    def _abort(self, signum: int, message: str) -> None:
+        """Exits with 128 + signal and one line; under a launcher, the signal it forwards once more is ignored."""
+        if _under_launcher():
+            self._ignore_signals_from_now_on()
+        else:
+            self._restore()
+        _say(message)
         raise SystemExit(128 + signum)
 
     def requested(self) -> bool:

@@ -30,7 +30,8 @@ from torchtune_ext.training._precision import LossScaler
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "check_base_finite", "nonfinite_adapters"]
 
-ADVICE = "Try a lower optimizer.lr (e.g. 10x lower), a longer lr_scheduler.num_warmup_steps, or clip_grad_norm=1.0"
+#: the gradient-norm limit the advice suggests where the run clips at no lower one.
+SUGGESTED_CLIP_GRAD_NORM = 1.0
 #: a run of at least this many skipped fp16 steps covering every step since the last save stops the run.
 MIN_SKIPPED_RUN = 2
 
@@ -40,10 +41,13 @@ class NonFiniteGuard:
 
     Args:
         loss_scaler (LossScaler): the run's loss scaler (enabled: fp16).
+        clip_grad_norm (Optional[float]): the run's ``clip_grad_norm`` (the advice suggests clipping only above
+            :data:`SUGGESTED_CLIP_GRAD_NORM` or without it).
     """
 
-    def __init__(self, loss_scaler: LossScaler):
+    def __init__(self, loss_scaler: LossScaler, clip_grad_norm: Optional[float]):
         self._scaler = loss_scaler
+        self.advice = _advice(clip_grad_norm)
         self.fp16 = loss_scaler.enabled
         self.steps = 0  # optimizer steps of this run
         self.skipped = 0  # of which skipped (fp16)
@@ -70,7 +74,8 @@ class NonFiniteGuard:
             grad_norm = metrics.get("grad_norm", 0.0)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise NonFiniteError(
-                    _message(step, f"the loss is {loss} and the gradient norm {grad_norm}", lr, last) + f" {ADVICE}."
+                    _message(step, f"the loss is {loss} and the gradient norm {grad_norm}", lr, last)
+                    + f" {self.advice}."
                 )
             return
         skipped = self._scaler.skipped_steps > self._skipped_total
@@ -87,7 +92,7 @@ class NonFiniteGuard:
                     lr,
                     last,
                 )
-                + f" {ADVICE}; or dtype=bf16 where the GPU has it."
+                + f" {self.advice}; or dtype=bf16 where the GPU has it."
             )
 
     def check_before_save(
@@ -114,14 +119,14 @@ class NonFiniteGuard:
         since, self._since_save = self._since_save, 0
         if self.fp16 and since >= MIN_SKIPPED_RUN and self._consecutive >= since:
             what = f"every one of the {since} steps since the last save was skipped (fp16 overflow)"
-            raise NonFiniteError(f"{_message(step, what, lr, last)} {ADVICE}; or dtype=bf16 where the GPU has it.")
+            raise NonFiniteError(f"{_message(step, what, lr, last)} {self.advice}; or dtype=bf16 where the GPU has it.")
         bad = nonfinite_adapters(adapters, compute_dtype)
         if bad:
             what = (
                 f"{len(bad)} adapter tensor(s) hold NaN, infinite or (in {compute_dtype}) out-of-range values, e.g. "
                 f"{bad[:4]}"
             )
-            raise NonFiniteError(f"{_message(step, what, lr, last)} {ADVICE}.")
+            raise NonFiniteError(f"{_message(step, what, lr, last)} {self.advice}.")
 
     def progress(self) -> str:
         """The progress bar's addition: fp16's skipped steps so far (empty otherwise)."""
@@ -135,6 +140,13 @@ class NonFiniteGuard:
             f"  skipped steps (fp16): {self.skipped} of {self.steps} (gradients overflowed); loss scale now "
             f"{self._scaler.get_scale():g}"
         ]
+
+
+def _advice(clip_grad_norm: Optional[float]) -> str:
+    advice = "Try a lower optimizer.lr (e.g. 10x lower)"
+    if clip_grad_norm is not None and clip_grad_norm <= SUGGESTED_CLIP_GRAD_NORM:
+        return f"{advice} or a longer lr_scheduler.num_warmup_steps (clip_grad_norm={clip_grad_norm:g} already clips)"
+    return f"{advice}, a longer lr_scheduler.num_warmup_steps, or clip_grad_norm={SUGGESTED_CLIP_GRAD_NORM:g}"
 
 
 def _message(step: int, what: str, lr: float, last: Optional[Path]) -> str:

@@ -195,7 +195,9 @@ class QLoRARecipe(RecipeSetup):
 
     def train(self) -> None:
         """Trains (:meth:`_train_epochs`); SIGINT or SIGTERM stop it after the current step with a resumable
-        checkpoint and exit code 128 + signal (:meth:`_stop_interrupted`)."""
+        checkpoint and exit code 128 + signal (:meth:`_stop_interrupted`). A finished run trains no further."""
+        if self.finished:
+            return
         with InterruptGuard() as self._interrupt:  # [issue 17]
             self._train_epochs()
 
@@ -210,79 +212,79 @@ class QLoRARecipe(RecipeSetup):
         running_loss, num_tokens = 0.0, 0
         for curr_epoch in range(self.epochs_run, self.settings.epochs):
             self._sampler.set_epoch(curr_epoch)
-            pbar = tqdm(
+            with tqdm(  # closed (its line ended) also where a failure stops the run
                 total=self._steps_per_epoch,
                 initial=self._steps_in_epoch_done,
                 dynamic_ncols=True,
                 disable=not self._is_rank_zero,
-            )
-            micro_batches = 0
-            if self._rng_to_restore is not None and self._steps_in_epoch_done == 0:
-                # [issue 17] resumed at an epoch's start: the uninterrupted run's iterator drew from this state
-                set_rng_state(self._rng_to_restore, self.settings.device)
-                self._rng_to_restore = None
-            batches = iter(self._dataloader)  # draws a seed from the global RNG, as at the start of the run
-            if self._rng_to_restore is not None:
-                set_rng_state(self._rng_to_restore, self.settings.device)
-                self._rng_to_restore = None
-            step_start = time.perf_counter()
-            for batch in batches:
-                if self._steps_in_epoch_done >= self._steps_per_epoch:
-                    break
-                utils.batch_to_device(batch, self.settings.device)
-                loss, batch_tokens = self.forward_backward(batch)
-                num_tokens += batch_tokens
-                throughput.add(batch_tokens)
-                running_loss += loss
-                micro_batches += 1
-                if micro_batches % self.settings.gradient_accumulation_steps != 0:
-                    continue
-
-                step_metrics, global_tokens = self.optimizer_step(num_tokens)
-                self._train_tokens += global_tokens
-                self._train_seconds += time.perf_counter() - step_start
-                self.global_step += 1
-                self._steps_in_epoch_done += 1
-                loss_value = float(all_reduce_sum(running_loss)) / max(global_tokens, 1.0)
-                self.loss_history.append(loss_value)
-                pbar.update(1)
-                pbar.set_description(
-                    f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_value:.4f}" + self._guard.progress()  # [issue 24]
-                )
-                if self.global_step % self.settings.log_every_n_steps == 0:
-                    self._log_step(loss_value, step_metrics, throughput, float(num_tokens), global_tokens)
-                    throughput.reset()
-                self._guard.check_step(
-                    self.global_step, loss_value, step_metrics, self._lr(), self._last_saved()
-                )  # [issue 24]
-                running_loss, num_tokens = 0.0, 0
-                if self._should_validate():
-                    val_loss = self._validate()
-                    if self._is_rank_zero:
-                        self._metric_logger.log_dict({"val_loss": val_loss}, step=self.global_step)
-                        self._val_history.add(self.global_step, val_loss)  # [issue 18]
-
-                mid_epoch = self._steps_in_epoch_done < self._steps_per_epoch
-                if mid_epoch and self._interrupt.requested():  # [issue 17] a signal: save this step and exit
-                    pbar.close()
-                    self._stop_interrupted(end_of_epoch=False)
-                if self.settings.stop_after_step is not None and self.global_step >= self.settings.stop_after_step:
-                    if mid_epoch:
-                        pbar.close()
-                        self.save_checkpoint(end_of_epoch=False, full=False)
-                        self._info(
-                            f"Stopped after step {self.global_step} (stop_after_step); resume with "
-                            "resume_from_checkpoint=True."
-                        )
-                        return
-                elif (
-                    self.settings.save_every_n_steps
-                    and self.global_step % self.settings.save_every_n_steps == 0
-                    and mid_epoch
-                ):
-                    self.save_checkpoint(end_of_epoch=False, full=False)
+            ) as pbar:
+                micro_batches = 0
+                if self._rng_to_restore is not None and self._steps_in_epoch_done == 0:
+                    # [issue 17] resumed at an epoch's start: the uninterrupted run's iterator drew from this state
+                    set_rng_state(self._rng_to_restore, self.settings.device)
+                    self._rng_to_restore = None
+                batches = iter(self._dataloader)  # draws a seed from the global RNG, as at the start of the run
+                if self._rng_to_restore is not None:
+                    set_rng_state(self._rng_to_restore, self.settings.device)
+                    self._rng_to_restore = None
                 step_start = time.perf_counter()
-            pbar.close()
+                for batch in batches:
+                    if self._steps_in_epoch_done >= self._steps_per_epoch:
+                        break
+                    utils.batch_to_device(batch, self.settings.device)
+                    loss, batch_tokens = self.forward_backward(batch)
+                    num_tokens += batch_tokens
+                    throughput.add(batch_tokens)
+                    running_loss += loss
+                    micro_batches += 1
+                    if micro_batches % self.settings.gradient_accumulation_steps != 0:
+                        continue
+
+                    step_metrics, global_tokens = self.optimizer_step(num_tokens)
+                    self._train_tokens += global_tokens
+                    self._train_seconds += time.perf_counter() - step_start
+                    self.global_step += 1
+                    self._steps_in_epoch_done += 1
+                    loss_value = float(all_reduce_sum(running_loss)) / max(global_tokens, 1.0)
+                    self.loss_history.append(loss_value)
+                    pbar.update(1)
+                    pbar.set_description(
+                        f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_value:.4f}"
+                        + self._guard.progress()  # [issue 24]
+                    )
+                    if self.global_step % self.settings.log_every_n_steps == 0:
+                        self._log_step(loss_value, step_metrics, throughput, float(num_tokens), global_tokens)
+                        throughput.reset()
+                    self._guard.check_step(
+                        self.global_step, loss_value, step_metrics, self._lr(), self._last_saved()
+                    )  # [issue 24]
+                    running_loss, num_tokens = 0.0, 0
+                    if self._should_validate():
+                        val_loss = self._validate()
+                        if self._is_rank_zero:
+                            self._metric_logger.log_dict({"val_loss": val_loss}, step=self.global_step)
+                            self._val_history.add(self.global_step, val_loss)  # [issue 18]
+
+                    mid_epoch = self._steps_in_epoch_done < self._steps_per_epoch
+                    if mid_epoch and self._interrupt.requested():  # [issue 17] a signal: save this step and exit
+                        pbar.close()
+                        self._stop_interrupted(end_of_epoch=False)
+                    if self.settings.stop_after_step is not None and self.global_step >= self.settings.stop_after_step:
+                        if mid_epoch:
+                            pbar.close()
+                            self.save_checkpoint(end_of_epoch=False, full=False)
+                            self._info(
+                                f"Stopped after step {self.global_step} (stop_after_step); resume with "
+                                "resume_from_checkpoint=True."
+                            )
+                            return
+                    elif (
+                        self.settings.save_every_n_steps
+                        and self.global_step % self.settings.save_every_n_steps == 0
+                        and mid_epoch
+                    ):
+                        self.save_checkpoint(end_of_epoch=False, full=False)
+                    step_start = time.perf_counter()
             self.epochs_run += 1
             self._steps_in_epoch_done = 0
             # [issue 25] the merged model once, at the end (or every epoch with merge_every_epoch)
@@ -457,7 +459,9 @@ class QLoRARecipe(RecipeSetup):
 
     def cleanup(self) -> None:
         """Closes the metric logger and prints (rank 0) the run's summary: loss, peak memory, mean tokens/s, and
-        where the outputs are. Collective."""
+        where the outputs are (a resumed run that had finished said it at setup). Collective."""
+        if self.finished:
+            return
         memory = self._memory_metrics()
         if not self._is_rank_zero:
             return

@@ -65,7 +65,7 @@ from torchtune_ext.training._builders import build_dataset, build_qlora_model, b
 from torchtune_ext.training._checkpointing import disk_plan
 from torchtune_ext.training._data import build_data_loader, check_data
 from torchtune_ext.training._export import check_run_folders
-from torchtune_ext.training._interrupt import continued_metric_logger
+from torchtune_ext.training._interrupt import InterruptGuard, continued_metric_logger
 from torchtune_ext.training._metrics import format_memory_stats, gather_memory_stats, memory_stats
 from torchtune_ext.training._nonfinite import NonFiniteGuard, check_base_finite
 from torchtune_ext.training._precision import DistributedLossScaler, LossScaler, check_param_dtypes
@@ -115,6 +115,7 @@ class RecipeSetup(FTRecipeInterface):
     _dataloader: StatefulDataLoader
     _val_dataloader: Optional[StatefulDataLoader]
     seed: int
+    finished: bool
     epochs_run: int
     global_step: int
     _steps_in_epoch_done: int
@@ -133,6 +134,7 @@ class RecipeSetup(FTRecipeInterface):
         self._pruning = None
         self._kept_ids = None
         self._pad_to_multiple: Optional[int] = None
+        self.finished = False  # resumed a run that had finished: nothing is loaded, trained or written
         self.epochs_run = 0
         self.global_step = 0
         self._steps_in_epoch_done = 0
@@ -152,58 +154,64 @@ class RecipeSetup(FTRecipeInterface):
 
     def setup(self, cfg: DictConfig) -> None:
         """Builds everything in the order of the module docstring; nothing is written under ``output_dir`` before
-        the config, the data and the resumed state have been checked. Collective on several ranks."""
-        check_run_folders(cfg)  # [issue 24] every folder the run writes is writable, before anything is written
-        self._set_seed(cfg)
-        # [issue 17] a busy output_dir, or one holding another run's checkpoints, is refused before any write
-        check_output_dir(
-            cfg.checkpointer.output_dir, self.settings.resume_from_checkpoint, self.settings.overwrite_output_dir
-        )
-        self._generate_base_checkpoint(cfg)
-        dataset, val_dataset = self._build_components(cfg)
-        settings = self.settings
-        check_data(
-            dataset,
-            val_dataset,
-            settings.max_seq_len,
-            self._loss_fn.ignore_index,
-            settings.batch_size,
-            settings.gradient_accumulation_steps,
-            self.world_size,
-        )
-        if self.settings.vocab_pruning is not None:
-            self._resolve_kept_ids(dataset, val_dataset)
-        self._run = self._run_identity(cfg, dataset)  # [issue 24] what a resume must match
-        state = self._checkpointer.load_recipe_state() if self.settings.resume_from_checkpoint else None
-        if state is not None:
-            self._check_recipe_state(state)
-        self._saved_log_dir = state.metric_log_dir if state is not None else None  # [issue 17]
+        the config, the data and the resumed state have been checked. A resumed run that had finished stops after
+        saying so (:attr:`finished`), before the base weights load. SIGINT/SIGTERM stop it at once (exit 128 +
+        signal, nothing trained or saved). Collective on several ranks."""
+        with InterruptGuard(save=False):  # [issue 17] a signal while setting up stops the run at once
+            check_run_folders(cfg)  # [issue 24] every folder the run writes is writable, before anything is written
+            self._set_seed(cfg)
+            # [issue 17] a busy output_dir, or one holding another run's checkpoints, is refused before any write
+            check_output_dir(
+                cfg.checkpointer.output_dir, self.settings.resume_from_checkpoint, self.settings.overwrite_output_dir
+            )
+            self._generate_base_checkpoint(cfg)
+            dataset, val_dataset = self._build_components(cfg)
+            settings = self.settings
+            check_data(
+                dataset,
+                val_dataset,
+                settings.max_seq_len,
+                self._loss_fn.ignore_index,
+                settings.batch_size,
+                settings.gradient_accumulation_steps,
+                self.world_size,
+            )
+            if self.settings.vocab_pruning is not None:
+                self._resolve_kept_ids(dataset, val_dataset)
+            self._run = self._run_identity(cfg, dataset)  # [issue 24] what a resume must match
+            state = self._checkpointer.load_recipe_state() if self.settings.resume_from_checkpoint else None
+            if state is not None:
+                self._check_recipe_state(state)
+                if self.epochs_run >= self.settings.epochs:  # [issue 24] said so (step, outputs); no load, no write
+                    self.finished = True
+                    return
+            self._saved_log_dir = state.metric_log_dir if state is not None else None  # [issue 17]
 
-        loss_scaler = DistributedLossScaler if self.world_size > 1 else LossScaler
-        self._loss_scaler = loss_scaler(
-            enabled=self.settings.dtype == torch.float16, device=self.settings.device, **cfg.get("loss_scaler", {})
-        )
-        self._guard = NonFiniteGuard(self._loss_scaler)  # [issue 24]
+            loss_scaler = DistributedLossScaler if self.world_size > 1 else LossScaler
+            self._loss_scaler = loss_scaler(
+                enabled=self.settings.dtype == torch.float16, device=self.settings.device, **cfg.get("loss_scaler", {})
+            )
+            self._guard = NonFiniteGuard(self._loss_scaler, self.settings.clip_grad_norm)  # [issue 24]
 
-        # From here on, outputs are written.
-        self._start_writing(cfg)
-        self._save_scanned_kept_ids(dataset, val_dataset)  # [issue 25] a resume reuses the kept-id pass
-        disk = disk_plan(
-            self.settings,
-            self.world_size,
-            self.max_steps_per_epoch,
-            self._model,
-            self._checkpointer.output_dir,
-            len(dataset),
-            self._merged_dtype,
-        )
-        self._info(disk.format())  # [issue 25]
+            # From here on, outputs are written.
+            self._start_writing(cfg)
+            self._save_scanned_kept_ids(dataset, val_dataset)  # [issue 25] a resume reuses the kept-id pass
+            disk = disk_plan(
+                self.settings,
+                self.world_size,
+                self.max_steps_per_epoch,
+                self._model,
+                self._checkpointer.output_dir,
+                len(dataset),
+                self._merged_dtype,
+            )
+            self._info(disk.format())  # [issue 25]
 
-        self._load_model(state)
-        self._optimizer = config.instantiate(cfg.optimizer, self._trainable_params)
-        self._setup_loss()
-        self._setup_dataloaders(cfg, dataset, val_dataset)
-        self._setup_schedule(cfg, state)
+            self._load_model(state)
+            self._optimizer = config.instantiate(cfg.optimizer, self._trainable_params)
+            self._setup_loss()
+            self._setup_dataloaders(cfg, dataset, val_dataset)
+            self._setup_schedule(cfg, state)
 
     def _set_seed(self, cfg: DictConfig) -> None:
         """The config's seed (torchtune's ``set_seed`` agrees on it across ranks), with the same streams on every
@@ -286,7 +294,7 @@ class RecipeSetup(FTRecipeInterface):
         Raises:
             ValueError: listing what differs in what defines the run, or if the adapters differ.
         """
-        for line in state.check_resume(self._run, self._kept_ids, self.settings.epochs, self.world_size):  # [issue 24]
+        for line in state.check_resume(self._run, self._kept_ids, self.settings.epochs):  # [issue 24]
             self._info(line)
         check_adapter_state(self._model, state.adapter)
         if state.max_steps_per_epoch != self.max_steps_per_epoch:
@@ -449,8 +457,7 @@ class RecipeSetup(FTRecipeInterface):
             state.restore_lr_scheduler_(self._lr_scheduler, hyperparameters)  # [issue 24]
             self._rng_to_restore = state.rng_for(self.rank, self.world_size)  # [issue 24]
             if self.epochs_run < self.settings.epochs:  # [issue 17] the step the interrupt message named
-                epoch, batch = self._epoch_and_batch()
-                self._info(f"Checkpoint loaded: resumed from step {self.global_step} (epoch {epoch}, batch {batch}).")
+                self._info(state.describe_position(self.world_size, *self._epoch_and_batch()))  # [issue 24] the data
         self._info(f"Memory after setup: {format_memory_stats(self._memory_metrics())}")
 
     # ---------------------------------------------------------------------------------------------- cross-rank

@@ -141,7 +141,7 @@ def test_identity_lists_every_difference_and_allows_settings(base, tmp_path):
     state = _state(saved)
     state.source = Path("recipe_state.pt")
     with pytest.raises(ConfigError) as raised:  # a config error: one line per problem, exit code 2
-        state.check_resume(current, kept_ids=None, total_epochs=2, world_size=1)
+        state.check_resume(current, kept_ids=None, total_epochs=2)
     assert raised.value.key == "resume_from_checkpoint"
     text = str(raised.value)
     assert "model.lora_alpha: 32 -> 4" in text and "global_batch_size: 8 -> 16" in text
@@ -156,20 +156,26 @@ def test_identity_lists_every_difference_and_allows_settings(base, tmp_path):
         assert allowed not in text
 
     same = _identity(OmegaConf.merge(CFG, {"optimizer": {"lr": 1e-3}, "epochs": 2}), base / "model.safetensors")
-    lines = state.check_resume(same, kept_ids=None, total_epochs=2, world_size=1)
+    lines = state.check_resume(same, kept_ids=None, total_epochs=2)
     assert lines == [
         "Resuming with changed settings (allowed):\n  epochs: 1 -> 2\n  optimizer.lr: 0.003 -> 0.001",
-        "Resumed at step 3, epoch 1, sample 24 of 64, on 1 rank; saved on 2.",
     ]
+    assert state.describe_position(1, epoch=1, batch=6) == (
+        "Resumed from step 3 (epoch 1, batch 6): sample 24 of 64, on 1 rank; saved on 2."
+    )
+    state.position.epoch, state.position.samples_consumed = 1, 0  # saved between epochs
+    assert state.describe_position(2, epoch=1, batch=8) == (
+        "Resumed from step 3 (epoch 1, batch 8): epoch 2 starts at sample 0 of 64, on 2 ranks; saved on 2."
+    )
     with pytest.raises(ConfigError, match="vocab_pruning kept token ids"):
-        state.check_resume(same, kept_ids=[1, 2], total_epochs=2, world_size=1)
+        state.check_resume(same, kept_ids=[1, 2], total_epochs=2)
 
 
 def test_a_finished_run_says_so(base):
     run = _identity(CFG, base / "model.safetensors")
     state = _state(run)
     state.epochs_run, state.checkpoint, state.source = 1, "step_8", Path("/out/recipe_state/recipe_state.pt")
-    (line,) = state.check_resume(run, kept_ids=None, total_epochs=1, world_size=1)
+    (line,) = state.check_resume(run, kept_ids=None, total_epochs=1)
     assert line.startswith("This run had already finished: step 3, epoch 1 of 1") and "/out/step_8/adapter" in line
 
 
