@@ -71,7 +71,10 @@ LAYERS = {
     "data": 5,
     "memory": 5,
     "training": 6,
-    "cli": 7,
+    "generation": 7,
+    "export": 8,
+    "evaluation": 8,
+    "cli": 9,
 }
 
 
