@@ -35,6 +35,7 @@ from typing import Any, Dict
 
 import pytest
 import torch
+import transformers
 from _hf_runner import hf_logits
 from _tiny_recipe import run_recipe, tiny_training_args
 from omegaconf import OmegaConf
@@ -47,6 +48,7 @@ from torchtune_ext.generation import load_model_with_adapter
 from torchtune_ext.models import lora_phi, qlora_phi3_5_mini, torchtune_builder_for
 
 pytestmark = [pytest.mark.integration_test, pytest.mark.stack]
+_TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 CONFIG = "configs/phi3/mini_qlora_single_device.yaml"
 NUM_LAYERS = 2
@@ -89,8 +91,9 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
         "num_key_value_heads": 1,
         "vocab_size": 4096,
         "partial_rotary_factor": 0.75,
-        # 48 factors again: RoPE on 96 of each head's 128 dims (transformers 5 checks it inside rope_parameters)
-        "rope_scaling": {**_LONGROPE, "partial_rotary_factor": 0.75},
+        # 48 factors again: RoPE on 96 of each head's 128 dims (transformers 5 checks it inside rope_parameters;
+        # 4.x refuses a rope_scaling with more than its three keys and reads the top-level factor)
+        "rope_scaling": {**_LONGROPE, **({"partial_rotary_factor": 0.75} if _TRANSFORMERS_5 else {})},
         "tie_word_embeddings": True,
         "bos_token_id": 1,
         "eos_token_id": 2,
@@ -214,7 +217,7 @@ def test_mismatched_checkpoints_fail_in_validate_naming_the_config_keys(bases, w
     # Another checkpoint's LongRoPE factors.
     other = workdir / "other_config.json"
     edited = read_hf_config(base)
-    edited["rope_parameters"]["long_factor"][0] = 1.5
+    edited["rope_parameters" if _TRANSFORMERS_5 else "rope_scaling"]["long_factor"][0] = 1.5
     other.write_text(json.dumps(edited))
     model = qlora_phi3_5_mini(
         ["q_proj"],
