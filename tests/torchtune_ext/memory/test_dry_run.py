@@ -6,8 +6,8 @@ estimates at the lengths the search returns (each limit checked at L and L + 1),
 
 import pytest
 import torch
+from test_estimator import KIB, _cfg, _estimator
 
-from tests.torchtune_ext.memory.test_estimator import KIB, _cfg, _estimator
 from torchtune_ext.config import ConfigError
 from torchtune_ext.memory import (
     GIB,

@@ -9,7 +9,9 @@ step by its gradient accumulation of 8) and AdamW's two moments plus a step coun
 import pytest
 import torch
 
-from bench.memory import torchtune_config, torchtune_config_estimate
+# bench/ is in a clone, not in the wheel (CI runs the installed wheel with `pytest`: no clone on sys.path).
+bench_memory = pytest.importorskip("bench.memory", reason="bench/ is not installed with the wheel: run from a clone")
+torchtune_config, torchtune_config_estimate = bench_memory.torchtune_config, bench_memory.torchtune_config_estimate
 
 CONFIG = "llama3_2/1B_qlora_single_device"
 
