@@ -47,9 +47,9 @@ def _write_base(folder: Path) -> Path:
 
 
 def _train(out: Path, base: Path, batch_size: int, distributed: bool):
-    # One torch thread on both sides: with more, a few frozen NF4 blocks of the 2-rank load differ from the
-    # single-device load by one double-quantized scale step (CI: 362 of 4.4M elements of one weight, 0.9%); the cause
-    # is not yet found, and this test checks the sharding, not thread counts.
+    # One torch thread on both sides, as run_distributed's ranks have: the NF4 scale mean (torchao's `scalers.mean()`,
+    # kept for bit equality with `to_nf4`) is a float reduction whose rounding depends on the thread count, so a
+    # reference on CI's 2 threads put a few frozen blocks one double-quantized scale step off (362 of 4.4M elements).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

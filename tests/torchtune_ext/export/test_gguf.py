@@ -3,6 +3,7 @@ loaded by llama.cpp itself (``llama-cpp-python``), whose greedy tokens must equa
 the types made by llama.cpp's quantizer (k-quants, q4_0, q5_0) checked the same way, and refused without it."""
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -20,6 +21,9 @@ from torchtune_ext.export import export_gguf  # noqa: E402
 try:
     import llama_cpp
 except ImportError:
+    # .ci/run installs llama-cpp-python and sets this: there the llama.cpp checks must run, never skip.
+    if os.environ.get("TORCHTUNE_EXT_REQUIRE_LLAMA_CPP") == "1":
+        raise
     llama_cpp = None
 
 # the pre-tokenizer regexes of Qwen 2's and Llama 3's tokenizer.json (they differ in the digits: 1 vs 1-3)
