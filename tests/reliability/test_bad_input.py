@@ -475,6 +475,28 @@ ONE_LINE_CASES = [
         ],
         id="component_typo",
     ),
+    # a value the component itself refuses (torchtune_ext.config.instantiate_component), before anything is loaded
+    pytest.param(
+        ["generate_base_checkpoint.family=qwen2"],
+        [
+            "generate_base_checkpoint.family='qwen2' is refused by torchtune_ext.data.write_tiny_checkpoint: Unknown "
+            "tiny model family 'qwen2'; use one of ['llama', 'qwen']."
+        ],
+        id="component_refuses_a_value",
+    ),
+    pytest.param(
+        ["optimizer.betas=0.9"],
+        [
+            "optimizer: torch.optim.AdamW failed with TypeError: 'float' object is not subscriptable; fix the "
+            "optimizer values (given: lr=0.003, weight_decay=0.0, betas=0.9)"
+        ],
+        id="optimizer_refuses_a_value",
+    ),  # before: the base loaded, the output folder written, then a traceback
+    pytest.param(
+        ["loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss", "loss.num_output_chunks=abc"],
+        ["loss.num_output_chunks='abc' must be a positive integer"],
+        id="loss_chunks",
+    ),  # before: a traceback from the first forward pass
     pytest.param(
         ["model.lora_attn_modules=[q_prj]"],
         ["model.lora_attn_modules=['q_prj'] has 'q_prj', which is not an attention projection; did you mean 'q_proj'?"],
