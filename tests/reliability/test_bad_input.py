@@ -488,7 +488,8 @@ ONE_LINE_CASES = [
         ["optimizer.betas=0.9"],
         [
             "optimizer: torch.optim.AdamW failed with TypeError: 'float' object is not subscriptable; fix the "
-            "optimizer values (given: lr=0.003, weight_decay=0.0, betas=0.9)"
+            "optimizer values (given: lr=0.003, weight_decay=0.0, betas=0.9); "
+            "TORCHTUNE_EXT_TRACEBACK=1 shows where it failed"
         ],
         id="optimizer_refuses_a_value",
     ),  # before: the base loaded, the output folder written, then a traceback

@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 from torchtune.config._errors import InstantiationError
 
-from torchtune_ext.config._errors import ConfigError, UserFacingError, bad_value
+from torchtune_ext.config._errors import TRACEBACK_ENV, ConfigError, UserFacingError, bad_value
 
 #: what a component raises for a value it refuses (an unknown choice, a wrong type, a missing or unknown argument),
 #: or for a ``_component_`` (or a package it needs) that cannot be imported.
@@ -68,7 +68,7 @@ def component_error(section: Any, key: str, error: Exception) -> ConfigError:
         fix = f"install what it needs, or set another {key}._component_"
     else:
         given = ", ".join(f"{name}={value!r}" for name, value in values.items()) or "none"
-        fix = f"fix the {key} values (given: {given})"
+        fix = f"fix the {key} values (given: {given}); {TRACEBACK_ENV}=1 shows where it failed"
     return ConfigError(f"{key}: {component} failed with {type(error).__name__}: {reason}; {fix}", key)
 
 

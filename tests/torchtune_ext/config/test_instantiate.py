@@ -32,7 +32,7 @@ def test_an_unquoted_value_lists_the_section_values():
         instantiate_component(section, "optimizer", [torch.nn.Parameter(torch.zeros(1))])
     assert str(raised.value) == (
         "optimizer: torch.optim.AdamW failed with TypeError: 'float' object is not subscriptable; fix the optimizer "
-        "values (given: lr=0.003, betas=0.9)"
+        "values (given: lr=0.003, betas=0.9); TORCHTUNE_EXT_TRACEBACK=1 shows where it failed"
     )
     assert raised.value.key == "optimizer"
     assert isinstance(raised.value.__cause__, TypeError)
