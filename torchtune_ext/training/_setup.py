@@ -23,7 +23,6 @@ from functools import partial
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -41,6 +40,7 @@ from torchtune_ext.checkpoint import (  # [issue 17] output-dir checks; [issue 2
     check_output_dir,
     claim_output_dir,
     load_base_,
+    on_rank_zero,
 )
 from torchtune_ext.config import check_config, instantiate_component  # [issue 17]
 from torchtune_ext.distributed import (
@@ -221,12 +221,8 @@ class RecipeSetup(FTRecipeInterface):
 
     def _generate_base_checkpoint(self, cfg: DictConfig) -> None:
         """The tiny default writes its random base checkpoint on first use (rank 0; the others wait)."""
-        if cfg.get("generate_base_checkpoint", None) is None:
-            return
-        if self._is_rank_zero:
-            instantiate_component(cfg.generate_base_checkpoint, "generate_base_checkpoint")
-        if dist.is_initialized():
-            dist.barrier()
+        if cfg.get("generate_base_checkpoint", None) is not None:  # a value it refuses stops every rank (collective)
+            on_rank_zero(lambda: instantiate_component(cfg.generate_base_checkpoint, "generate_base_checkpoint"))
 
     def _build_components(self, cfg: DictConfig) -> Tuple[Any, Optional[Any]]:
         """Builds what can be checked before anything is written: the checkpointer (validated against the model,
