@@ -475,6 +475,29 @@ ONE_LINE_CASES = [
         ],
         id="component_typo",
     ),
+    # a value the component itself refuses (torchtune_ext.config.instantiate_component), before anything is loaded
+    pytest.param(
+        ["generate_base_checkpoint.family=qwen2"],
+        [
+            "generate_base_checkpoint.family='qwen2' is refused by torchtune_ext.data.write_tiny_checkpoint: Unknown "
+            "tiny model family 'qwen2'; use one of ['llama', 'qwen']."
+        ],
+        id="component_refuses_a_value",
+    ),
+    pytest.param(
+        ["optimizer.betas=0.9"],
+        [
+            "optimizer: torch.optim.AdamW failed with TypeError: 'float' object is not subscriptable; fix the "
+            "optimizer values (given: lr=0.003, weight_decay=0.0, betas=0.9); "
+            "TORCHTUNE_EXT_TRACEBACK=1 shows where it failed"
+        ],
+        id="optimizer_refuses_a_value",
+    ),  # before: the base loaded, the output folder written, then a traceback
+    pytest.param(
+        ["loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss", "loss.num_output_chunks=abc"],
+        ["loss.num_output_chunks='abc' must be a positive integer"],
+        id="loss_chunks",
+    ),  # before: a traceback from the first forward pass
     pytest.param(
         ["model.lora_attn_modules=[q_prj]"],
         ["model.lora_attn_modules=['q_prj'] has 'q_prj', which is not an attention projection; did you mean 'q_proj'?"],
@@ -641,23 +664,33 @@ def test_use_recipe_config_errors_print_one_line_and_exit_2(inputs, tmp_path, re
 
 
 @pytest.mark.distributed
-def test_a_config_error_on_2_ranks_prints_its_line_once(tmp_path):
-    """Every rank finds it before the process group starts; rank 0 prints it, and the launcher exits 2 like its
-    workers, without torchrun's traceback (torchtune_ext._compat)."""
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("dtpye=fp32", "unknown key 'dtpye': did you mean 'dtype'?"),
+        # rank 0 writes the tiny base; the others get its error instead of a lost peer at the barrier
+        ("generate_base_checkpoint.family=qwen2", "generate_base_checkpoint.family='qwen2' is refused by "
+         "torchtune_ext.data.write_tiny_checkpoint: Unknown tiny model family 'qwen2'; use one of ['llama', 'qwen']."),
+    ],
+    ids=["typo_in_a_key", "component_refuses_a_value_on_rank_0"],
+)  # fmt: skip
+def test_a_config_error_on_2_ranks_prints_its_line_once(tmp_path, override, line):
+    """Every rank finds it before the process group starts (or gets rank 0's); rank 0 prints it, and the launcher
+    exits 2 like its workers, without torchrun's traceback (torchtune_ext._compat)."""
     full_env = {**{k: v for k, v in os.environ.items() if k != TRACEBACK_ENV}, "OMP_NUM_THREADS": "1"}
     args = [str(TUNE), "run", "--standalone", "--nproc_per_node", "2", DIST_RECIPE, "--config", str(DIST_CONFIG)]
-    out = tmp_path / "out"
+    out, base = tmp_path / "out", tmp_path / "base"
     run = subprocess.run(
-        [*args, f"output_dir={out}", "dtpye=fp32"], cwd=REPO, env=full_env, capture_output=True, text=True,
-        timeout=RUN_TIMEOUT_S,
+        [*args, f"output_dir={out}", f"checkpointer.checkpoint_dir={base}", override], cwd=REPO, env=full_env,
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
     )  # fmt: skip
     output = run.stdout + run.stderr
     assert run.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
     errors = [line for line in output.splitlines() if line.startswith("qlora_finetune_distributed: error: ")]
-    assert errors == ["qlora_finetune_distributed: error: unknown key 'dtpye': did you mean 'dtype'?"], output[-4000:]
+    assert errors == [f"qlora_finetune_distributed: error: {line}"], output[-4000:]
     assert "ConfigError" not in output  # no rank's traceback
-    assert not out.exists()
+    assert not out.exists() and not base.exists()
 
 
 def test_the_traceback_on_request(inputs, tmp_path):

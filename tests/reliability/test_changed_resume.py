@@ -10,7 +10,9 @@ One single-device run is stopped after step 2 (a resumable state after steps 1 a
 - a changed lr: allowed, listed in the log, and the schedule continues with the new peak lr;
 - a recipe state carrying a pickled callable: refused with a clear error, and the callable never runs;
 - a truncated newest recipe state: the previous one is used, saying so, and the losses equal an uninterrupted run;
-- a finished run: says so, with the step and the outputs' paths.
+- a finished run: says so, with the step and the outputs' paths;
+- the tokenizer file: the same file in another folder resumes (losses equal an uninterrupted run); another
+  tokenizer at the same path is refused before the base loads, naming the file and the fix.
 """
 
 import math
@@ -25,7 +27,7 @@ from reliability_utils import HERE, REPO, SINGLE_CONFIG, SINGLE_RECIPE, TUNE, Ru
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE
-from torchtune_ext.data import write_tiny_checkpoint
+from torchtune_ext.data import TINY_TOKENIZER_PATH, write_tiny_checkpoint
 
 pytestmark = [pytest.mark.integration_test]
 
@@ -173,3 +175,56 @@ def test_resuming_a_finished_run_says_so(runs, tmp_path):
     assert str(out / f"step_{STEPS}" / "adapter") in output and str(out / f"step_{STEPS}" / "merged") in output
     for skipped in ("Loaded ", "Writing logs to", "Disk: "):  # said before the base weights load, which they do not
         assert skipped not in output, output[-4000:]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_run(runs, tmp_path_factory) -> Dict[str, Path]:
+    """The stopped run again, with the tiny tokenizer's file given as ``tokenizer.path`` (a copy of the shipped one)."""
+    tmp = tmp_path_factory.mktemp("tokenizer_run")
+    tokenizer = tmp / "tokenizer" / "tokenizer.model"
+    tokenizer.parent.mkdir()
+    shutil.copy(TINY_TOKENIZER_PATH, tokenizer)
+    stopped = tmp / "stopped"
+    args = _args(stopped, runs["base"], f"stop_after_step={STOP}", f"tokenizer.path={tokenizer}")
+    _check(args, tmp / "stopped.log")
+    return {"stopped": stopped, "tokenizer": tokenizer}
+
+
+def test_the_same_tokenizer_in_another_folder_resumes(runs, tokenizer_run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(tokenizer_run["stopped"], out)
+    moved = tmp_path / "moved" / "tokenizer.model"
+    moved.parent.mkdir()
+    shutil.copy(tokenizer_run["tokenizer"], moved)
+    args = _args(out, runs["base"], "resume_from_checkpoint=True", f"tokenizer.path={moved}")
+    rc, output = _start(args, tmp_path / "resume.log")
+    assert rc == 0, output[-4000:]
+    assert f"tokenizer.path: {tokenizer_run['tokenizer']} -> {moved}" in output  # listed as an allowed change
+    resumed, straight = logged(out / "logs"), logged(runs["straight"] / "logs")  # straight: the shipped file
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert max(abs(resumed[s] - straight[s]) for s in straight) < TOLERANCE, (resumed, straight)
+
+
+def test_another_tokenizer_at_the_same_path_is_refused_before_the_base_loads(runs, tokenizer_run, tmp_path):
+    from sentencepiece import sentencepiece_model_pb2
+
+    out = tmp_path / "out"
+    shutil.copytree(tokenizer_run["stopped"], out)
+    tokenizer = tokenizer_run["tokenizer"]
+    original = tokenizer.read_bytes()
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(original)
+    model.pieces[3].score += 1.0  # a valid tokenizer that merges "er" otherwise
+    before = snapshot(out)
+    try:
+        tokenizer.write_bytes(model.SerializeToString())  # rewritten in place
+        rc, output = _start(_args(out, runs["base"], "resume_from_checkpoint=True", f"tokenizer.path={tokenizer}"),
+                            tmp_path / "resume.log")  # fmt: skip
+    finally:
+        tokenizer.write_bytes(original)
+    assert rc == CONFIG_ERROR_EXIT_CODE and "Traceback" not in output, output[-4000:]
+    assert "it differs in what defines the run" in output, output[-4000:]
+    assert f"  tokenizer.path: {tokenizer} ({len(original)} bytes, sha256 " in output, output[-4000:]
+    assert f"another tokenizer gives other token ids; put back the {tokenizer} the run trained with" in output
+    assert "into NF4" not in output  # no weight was loaded
+    assert snapshot(out) == before  # nothing written

@@ -31,7 +31,13 @@ from torchtune_ext.checkpoint._hf import (
     read_hf_config,
 )
 from torchtune_ext.checkpoint._load import LOAD_CHUNK_BYTES, load_base_
-from torchtune_ext.checkpoint._lock import OutputDirInUseError, OutputDirLock, check_output_dir, claim_output_dir
+from torchtune_ext.checkpoint._lock import (
+    OutputDirInUseError,
+    OutputDirLock,
+    check_output_dir,
+    claim_output_dir,
+    on_rank_zero,
+)
 from torchtune_ext.checkpoint._random import write_random_hf_checkpoint
 from torchtune_ext.checkpoint._recipe_state import (
     DataPosition,
@@ -100,6 +106,7 @@ __all__ = [
     "hf_dtype_fields",
     "llama3_2_hf_config",
     "load_base_",
+    "on_rank_zero",
     "peft_adapter_config",
     "plain_rng_state",
     "previous_path",

@@ -187,9 +187,16 @@ def _check_unlocked(output_dir: Path, resume: bool, overwrite: bool) -> None:
         )
 
 
-def _on_rank_zero(fn: Callable[[], T]) -> Optional[T]:
-    """Runs ``fn`` on rank 0 and raises its config error on every rank (collective on several ranks); returns its
-    result on rank 0, None elsewhere."""
+def on_rank_zero(fn: Callable[[], T]) -> Optional[T]:
+    """Runs ``fn`` on rank 0 and raises its config error (any ``ValueError``) on every rank, so that every rank stops
+    with the same message instead of waiting for rank 0. Collective on several ranks.
+
+    Args:
+        fn (Callable[[], T]): what rank 0 does.
+
+    Returns:
+        Optional[T]: ``fn``'s result on rank 0, None elsewhere.
+    """
     distributed = dist.is_available() and dist.is_initialized()
     result, error = None, None
     if not distributed or dist.get_rank() == 0:
@@ -225,7 +232,7 @@ def check_output_dir(output_dir: PathLike, resume: bool, overwrite: bool) -> Non
             raise _in_use_error(Path(output_dir))
         _check_unlocked(Path(output_dir), resume, overwrite)
 
-    _on_rank_zero(check)
+    on_rank_zero(check)
 
 
 def claim_output_dir(output_dir: PathLike, resume: bool, overwrite: bool) -> Optional[OutputDirLock]:
@@ -259,7 +266,7 @@ def claim_output_dir(output_dir: PathLike, resume: bool, overwrite: bool) -> Opt
             _delete_previous_run(folder)
         return lock
 
-    return _on_rank_zero(claim)
+    return on_rank_zero(claim)
 
 
 def _delete_previous_run(folder: Path) -> None:

@@ -6,10 +6,10 @@
 - **The last two are kept**: ``recipe_state.pt`` and ``recipe_state.prev.pt``. A newest one that cannot be read
   (truncated, corrupt) falls back to the previous one, saying so.
 - **A resume is the same run, or it is refused.** :class:`RunIdentity` records what defines the run (the model
-  builder and its arguments, LoRA settings, dtypes, the base checkpoint's files, the data set's config and size, the
-  global batch, seed and shuffle); a resume that differs in any of it is refused before any weight loads, listing
-  each difference (``model.lora_alpha: 16 -> 4``). Every other config key is a deliberate setting (lr, epochs,
-  logging, save cadence): changes are allowed and listed.
+  builder and its arguments, LoRA settings, dtypes, the base checkpoint's files, the tokenizer's files (by content,
+  wherever they lie), the data set's config and size, the global batch, seed and shuffle); a resume that differs in
+  any of it is refused before any weight loads, listing each difference (``model.lora_alpha: 16 -> 4``). Every
+  other config key is a deliberate setting (lr, epochs, logging, save cadence): changes are allowed and listed.
 - **The data position is global** (:class:`DataPosition`): the samples of the epoch consumed over all ranks, the
   epoch, the sampler's seed and shuffle. Every world size walks the same shuffled order (rank ``r`` of ``W`` takes
   every ``W``-th index), so a resume on any number of ranks with the same global batch continues at exactly that
@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
 from torchtune_ext.checkpoint._atomic import atomic_save
-from torchtune_ext.config import ConfigError, ConfigFileNotFoundError
+from torchtune_ext.config import TOKENIZER_FILE_KEYS, ConfigError, ConfigFileNotFoundError
 
 log = utils.get_logger("INFO")
 
@@ -57,8 +57,9 @@ IDENTITY_CONFIG_KEYS = (
     "lr_scheduler._component_",
     "collate_fn",
 )
-#: Keys under the identity prefixes that name files (moving a folder is not another run).
-PATH_KEYS = ("path", "merges_file", "vocab_file", "special_tokens_path", "tokenizer_json_path")
+#: The identity entry of the tokenizer's files: their content (:func:`tokenizer_files_identity`), not their paths
+#: (moving a folder is not another run).
+TOKENIZER_FILES = "tokenizer_files"
 #: Config keys replaced by derived identity entries, or meaningless to compare.
 NOT_COMPARED = ("resume_from_checkpoint", "dtype", "adapter_dtype", "frozen_dtype", "global_batch_size")
 #: Bytes of the data region of each base checkpoint file that its identity hashes, at evenly spaced offsets.
@@ -103,8 +104,12 @@ def flatten_config(cfg: Union[DictConfig, Dict[str, Any]]) -> Dict[str, Any]:
     return flat
 
 
+def _names_tokenizer_file(key: str) -> bool:
+    return key.startswith("tokenizer.") and key.split(".")[-1] in TOKENIZER_FILE_KEYS
+
+
 def _defines_run(key: str) -> bool:
-    if key.split(".")[-1] in PATH_KEYS:
+    if _names_tokenizer_file(key):
         return False
     return any(key.startswith(k) if k.endswith(".") else key == k for k in IDENTITY_CONFIG_KEYS)
 
@@ -135,6 +140,27 @@ def base_checkpoint_identity(paths: Sequence[PathLike]) -> Dict[str, str]:
                 f.seek(start + span * i // max(BASE_SAMPLES - 1, 1))
                 data.update(f.read(BASE_SAMPLE_BYTES))
         identity[f"base_checkpoint.{path.name}"] = f"{size} bytes, header {header}, data {data.hexdigest()[:16]}"
+    return identity
+
+
+def tokenizer_files_identity(tokenizer: Dict[str, Any]) -> Dict[str, str]:
+    """The content of each file the tokenizer section names (``TOKENIZER_FILE_KEYS``): its size and a hash of all of
+    it (tokenizer files are megabytes; the base checkpoint's identity samples its gigabytes). Another tokenizer gives
+    other token ids, at another path or rewritten at the same one; the same file in another folder is the same run.
+
+    Args:
+        tokenizer (Dict[str, Any]): the ``tokenizer`` section, interpolations resolved.
+
+    Returns:
+        Dict[str, str]: ``<key>`` -> ``"<size> bytes, sha256 <hash>"``, for each file key set (paths relative to the
+        working directory, as the tokenizer reads them).
+    """
+    identity = {}
+    for key in TOKENIZER_FILE_KEYS:
+        value = tokenizer.get(key)
+        if isinstance(value, str):
+            data = Path(value).read_bytes()
+            identity[key] = f"{len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()[:16]}"
     return identity
 
 
@@ -179,6 +205,8 @@ class RunIdentity:
             global_batch_size=int(global_batch_size),
             **base_checkpoint_identity(checkpoint_paths),
         )
+        tokenizer = {k[len("tokenizer.") :]: v for k, v in flat.items() if k.startswith("tokenizer.")}
+        identity[TOKENIZER_FILES] = tokenizer_files_identity(tokenizer)
         settings = {k: v for k, v in flat.items() if not _defines_run(k) and k not in NOT_COMPARED}
         return cls(identity=identity, settings=settings)
 
@@ -434,13 +462,26 @@ class RecipeState:
             total_epochs (int): this run's ``epochs``.
 
         Returns:
-            List[str]: lines to log: the allowed changes, and that the run had finished (where it had; where it
+            List[str]: lines to log: the allowed changes, the tokenizer files an older state did not record, and that
+            the run had finished (where it had; where it
             resumes is :meth:`describe_position`, once the data is loaded).
 
         Raises:
             ConfigError: listing every difference in what defines the run.
         """
-        changed = differences(self.identity, run.identity)
+        # Older states recorded no tokenizer files, and some tokenizer paths among the config keys compared.
+        saved = {k: v for k, v in self.identity.items() if not _names_tokenizer_file(k)}
+        current = dict(run.identity)
+        saved_files, files = saved.pop(TOKENIZER_FILES, None), current.pop(TOKENIZER_FILES, {})
+        changed = differences(saved, current)
+        lines = []
+        if saved_files is None and files:
+            lines.append(
+                f"The recipe state does not record the tokenizer's files (saved by an earlier version): "
+                f"tokenizer.{', tokenizer.'.join(files)} not compared with the saved run's."
+            )
+        elif saved_files is not None:
+            changed += _tokenizer_changes(saved_files, files, self.settings, run.settings)
         if self.kept_ids != kept_ids:
             changed.append("vocab_pruning kept token ids: differ (another data set or kept_ids file)")
         if changed:
@@ -451,7 +492,6 @@ class RecipeState:
                 + "\nResume with the saved values, or start a new run in another output_dir.",
                 "resume_from_checkpoint",
             )
-        lines = []
         allowed = differences(self.settings, run.settings)
         if allowed:
             lines.append("Resuming with changed settings (allowed):\n  " + "\n  ".join(allowed))
@@ -535,6 +575,29 @@ class RecipeState:
         rank 0's."""
         states = self.rng_per_rank
         return native_rng_state(states[rank] if len(states) == world_size else states[0])
+
+
+def _tokenizer_changes(
+    saved: Dict[str, str], current: Dict[str, str], saved_settings: Dict[str, Any], settings: Dict[str, Any]
+) -> List[str]:
+    """``tokenizer.<key>: <saved path> (<content>) -> <path> (<content>): ...; <fix>`` for each tokenizer file whose
+    content differs from the saved run's."""
+    lines = []
+    for key in TOKENIZER_FILE_KEYS:
+        old, new = saved.get(key), current.get(key)
+        if old == new:
+            continue
+        old_path, new_path = saved_settings.get(f"tokenizer.{key}"), settings.get(f"tokenizer.{key}")
+        if old is None:
+            fix = f"remove tokenizer.{key}"
+        elif old_path == new_path:
+            fix = f"put back the {old_path} the run trained with"
+        else:
+            fix = f"set tokenizer.{key}={old_path}"
+        was = f"{old_path} ({old})" if old else "(not set)"
+        now = f"{new_path} ({new})" if new else "(not set)"
+        lines.append(f"tokenizer.{key}: {was} -> {now}: another tokenizer gives other token ids; {fix}")
+    return lines
 
 
 def _batch_hint(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:

@@ -24,9 +24,11 @@ from torchtune_ext.config._errors import (
     exit_on_config_error,
     print_config_error,
 )
+from torchtune_ext.config._instantiate import COMPONENT_VALUE_ERRORS, instantiate_component
 from torchtune_ext.config._validate import validate
 
 __all__ = [
+    "COMPONENT_VALUE_ERRORS",
     "CONFIG_ERROR_DIR_ENV",
     "CONFIG_ERROR_EXIT_CODE",
     "EVAL_KEYS",
@@ -42,6 +44,7 @@ __all__ = [
     "check_config",
     "check_generation_config",
     "exit_on_config_error",
+    "instantiate_component",
     "missing_tokenizer_file",
     "print_config_error",
     "read_json_records",

@@ -92,8 +92,8 @@ _RECIPE_ARGS = {
 }
 #: plain sections (no ``_component_``) that are keyword arguments of a class of ours, minus what the recipe passes.
 _PLAIN_SECTIONS = {"loss_scaler": ("torchtune_ext.training._precision.LossScaler", ("enabled", "device"))}
-#: top-level counts: positive integers; the second set may be null.
-_POSITIVE = ("batch_size", "gradient_accumulation_steps", "epochs", "log_every_n_steps")
+#: counts: positive integers; the second set may be null.
+_POSITIVE = ("batch_size", "gradient_accumulation_steps", "epochs", "log_every_n_steps", "loss.num_output_chunks")
 _POSITIVE_OR_NULL = (
     "global_batch_size",
     "max_steps_per_epoch",

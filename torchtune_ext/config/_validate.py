@@ -8,6 +8,7 @@ from typing import List
 from omegaconf import DictConfig
 
 from torchtune_ext.config._check import check_config
+from torchtune_ext.config._instantiate import instantiate_component
 
 
 def validate(cfg: DictConfig) -> List[str]:
@@ -25,8 +26,6 @@ def validate(cfg: DictConfig) -> List[str]:
     Raises:
         ConfigError: on the first failing check (one line per problem); other errors as the recipe raises them.
     """
-    from torchtune import config
-
     from torchtune_ext.training import QLoRARecipe, build_qlora_model, frozen_weights_dtype
 
     dry_run = bool(cfg.get("dry_run", False))
@@ -38,7 +37,7 @@ def validate(cfg: DictConfig) -> List[str]:
     if cfg.get("generate_base_checkpoint", None) is not None and not checkpoint_dir.is_dir():
         done.append(f"checkpoint: {checkpoint_dir} is written on the first run (generate_base_checkpoint)")
         return done
-    checkpointer = config.instantiate(cfg.checkpointer)
+    checkpointer = instantiate_component(cfg.checkpointer, "checkpointer")
     frozen = frozen_weights_dtype(settings.frozen_dtype, settings.dtype, checkpointer.hf_config)
     model = build_qlora_model(cfg.model, settings.dtype, settings.adapter_dtype, frozen)
     checkpointer.validate(model)

@@ -1,5 +1,6 @@
-"""Builders for what a recipe config names: the QLoRA model (on the meta device), the tokenizer and the data sets,
-each failing with the config key and the fix."""
+"""Builders for what a recipe config names: the QLoRA model (on the meta device), the tokenizer, the data sets and a
+check of the optimizer and LR schedule, each failing with the config key and the fix
+(:func:`torchtune_ext.config.instantiate_component`)."""
 
 import inspect
 from pathlib import Path
@@ -9,11 +10,10 @@ import torch
 from omegaconf import DictConfig, ListConfig
 from torch import nn
 from torch.utils.data import Dataset
-from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 from torchtune.datasets import ConcatDataset
 
-from torchtune_ext.config import TOKENIZER_FILE_KEYS, missing_tokenizer_file
+from torchtune_ext.config import TOKENIZER_FILE_KEYS, ConfigError, instantiate_component, missing_tokenizer_file
 
 
 def build_qlora_model(
@@ -32,18 +32,23 @@ def build_qlora_model(
         nn.Module: the model, on meta.
 
     Raises:
-        ValueError: if the builder does not take ``dtype``/``adapter_dtype``/``frozen_dtype``/``device``.
+        ConfigError: if the builder does not take ``dtype``/``adapter_dtype``/``frozen_dtype``/``device``, or refuses
+            a value of the ``model`` section.
     """
     extra = {} if frozen_dtype is None or frozen_dtype == dtype else {"frozen_dtype": frozen_dtype}
     try:
-        return config.instantiate(cfg_model, dtype=dtype, adapter_dtype=adapter_dtype, device="meta", **extra)
-    except TypeError as err:
-        if "dtype" not in str(err) and "device" not in str(err):
+        return instantiate_component(
+            cfg_model, "model", dtype=dtype, adapter_dtype=adapter_dtype, device="meta", **extra
+        )
+    except ConfigError as err:
+        cause = err.__cause__
+        if not isinstance(cause, TypeError) or ("dtype" not in str(cause) and "device" not in str(cause)):
             raise
-        raise ValueError(
+        raise ConfigError(
             f"model._component_={cfg_model._component_} is not a torchtune_ext QLoRA builder (it does not take "
-            "dtype/adapter_dtype/frozen_dtype/device); use e.g. torchtune_ext.models.qlora_llama3_2_1b."
-        ) from err
+            "dtype/adapter_dtype/frozen_dtype/device); use e.g. torchtune_ext.models.qlora_llama3_2_1b.",
+            "model._component_",
+        ) from cause
 
 
 #: where network / hub failures come from (a data set that cannot be reached offline).
@@ -61,13 +66,14 @@ def build_tokenizer(cfg_tokenizer: DictConfig, checkpoint_dir: Optional[str] = N
         Any: the tokenizer.
 
     Raises:
-        FileNotFoundError: naming the config key of a missing tokenizer file and the fix.
+        ConfigError: naming the config key of a missing tokenizer file and the fix (a ``FileNotFoundError``), or a
+            value the tokenizer refuses.
     """
     for key in TOKENIZER_FILE_KEYS:
         value = cfg_tokenizer.get(key, None)
         if isinstance(value, str) and not Path(value).is_file():
             raise missing_tokenizer_file(key, value, checkpoint_dir)  # [issue 17] the hint keeps the subfolder
-    return config.instantiate(cfg_tokenizer)
+    return instantiate_component(cfg_tokenizer, "tokenizer")
 
 
 def _network_failure(error: BaseException) -> bool:
@@ -98,13 +104,14 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, what: str = "dataset") -> Da
         Dataset: the data set.
 
     Raises:
+        ConfigError: on a value the data set builder refuses.
         RuntimeError: if the data set cannot be downloaded (offline, unknown repository), naming the key and the
             local-file alternative.
     """
     if isinstance(cfg_dataset, ListConfig):
         return ConcatDataset(datasets=[build_dataset(c, tokenizer, what) for c in cfg_dataset])
     try:
-        return config.instantiate(cfg_dataset, tokenizer)
+        return instantiate_component(cfg_dataset, what, tokenizer)
     except Exception as err:
         if not _network_failure(err):
             raise
@@ -115,3 +122,19 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, what: str = "dataset") -> Da
             f"{what}.source=json {what}.data_files=/path/to/data.json (with the column names the "
             f"{what}._component_ expects), or download the data set once while online."
         ) from err
+
+
+def check_optimizer(cfg_optimizer: DictConfig, cfg_lr_scheduler: DictConfig, device: torch.device) -> None:
+    """Builds the optimizer and the LR schedule over one parameter, so that a value they refuse (``betas=0.9``, a
+    scheduler argument of the wrong type) fails before the weights load, not after.
+
+    Args:
+        cfg_optimizer (DictConfig): the ``optimizer`` section.
+        cfg_lr_scheduler (DictConfig): the ``lr_scheduler`` section.
+        device (torch.device): the training device.
+
+    Raises:
+        ConfigError: naming the key and the value refused.
+    """
+    optimizer = instantiate_component(cfg_optimizer, "optimizer", [nn.Parameter(torch.zeros(1, device=device))])
+    instantiate_component(cfg_lr_scheduler, "lr_scheduler", optimizer, num_training_steps=1)

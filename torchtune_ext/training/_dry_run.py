@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 from omegaconf import DictConfig
 from torch import nn
-from torchtune import config, utils
+from torchtune import utils
 
 from torchtune_ext.checkpoint import read_hf_config
+from torchtune_ext.config import instantiate_component
 from torchtune_ext.memory import (
     DeviceAllowance,
     DryRunTarget,
@@ -63,7 +64,7 @@ def recipe_memory_estimator(recipe: QLoRARecipe, cfg: DictConfig, model: Optiona
         model,
         bind=partial(_bind, cfg=cfg, frozen_dtype=frozen_dtype),
         optimizer=partial(_optimizer, cfg=cfg),
-        loss_fn=config.instantiate(cfg.loss),
+        loss_fn=instantiate_component(cfg.loss, "loss"),
         activation_checkpointing=settings.enable_activation_checkpointing,
         dtype=settings.dtype,
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
@@ -91,8 +92,8 @@ def _optimizer(step: QLoRARecipe, model: nn.Module, *, cfg: DictConfig) -> torch
     """The copy's optimizer and LR schedule, over the model's trainable params."""
     step._trainable_params = [p for p in model.parameters() if p.requires_grad]
     step._replicated_params = []
-    step._optimizer = config.instantiate(cfg.optimizer, step._trainable_params)
-    step._lr_scheduler = config.instantiate(cfg.lr_scheduler, step._optimizer, num_training_steps=1)
+    step._optimizer = instantiate_component(cfg.optimizer, "optimizer", step._trainable_params)
+    step._lr_scheduler = instantiate_component(cfg.lr_scheduler, "lr_scheduler", step._optimizer, num_training_steps=1)
     return step._optimizer
 
 

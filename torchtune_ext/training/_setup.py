@@ -23,12 +23,11 @@ from functools import partial
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-from torchtune import config, modules, training, utils
+from torchtune import modules, training, utils
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
@@ -41,8 +40,9 @@ from torchtune_ext.checkpoint import (  # [issue 17] output-dir checks; [issue 2
     check_output_dir,
     claim_output_dir,
     load_base_,
+    on_rank_zero,
 )
-from torchtune_ext.config import check_config  # [issue 17]
+from torchtune_ext.config import check_config, instantiate_component  # [issue 17]
 from torchtune_ext.distributed import (
     check_nf4_sharding,  # [issue 23]
     load_full_optimizer_state,
@@ -61,7 +61,7 @@ from torchtune_ext.modules.vocab_pruning import (
     save_scanned_kept_ids,
 )
 from torchtune_ext.training._activations import activation_offloading
-from torchtune_ext.training._builders import build_dataset, build_qlora_model, build_tokenizer
+from torchtune_ext.training._builders import build_dataset, build_qlora_model, build_tokenizer, check_optimizer
 from torchtune_ext.training._checkpointing import disk_plan
 from torchtune_ext.training._data import build_data_loader, check_data
 from torchtune_ext.training._export import check_run_folders
@@ -208,7 +208,7 @@ class RecipeSetup(FTRecipeInterface):
             self._info(disk.format())  # [issue 25]
 
             self._load_model(state)
-            self._optimizer = config.instantiate(cfg.optimizer, self._trainable_params)
+            self._optimizer = instantiate_component(cfg.optimizer, "optimizer", self._trainable_params)
             self._setup_loss()
             self._setup_dataloaders(cfg, dataset, val_dataset)
             self._setup_schedule(cfg, state)
@@ -221,12 +221,8 @@ class RecipeSetup(FTRecipeInterface):
 
     def _generate_base_checkpoint(self, cfg: DictConfig) -> None:
         """The tiny default writes its random base checkpoint on first use (rank 0; the others wait)."""
-        if cfg.get("generate_base_checkpoint", None) is None:
-            return
-        if self._is_rank_zero:
-            config.instantiate(cfg.generate_base_checkpoint)
-        if dist.is_initialized():
-            dist.barrier()
+        if cfg.get("generate_base_checkpoint", None) is not None:  # a value it refuses stops every rank (collective)
+            on_rank_zero(lambda: instantiate_component(cfg.generate_base_checkpoint, "generate_base_checkpoint"))
 
     def _build_components(self, cfg: DictConfig) -> Tuple[Any, Optional[Any]]:
         """Builds what can be checked before anything is written: the checkpointer (validated against the model,
@@ -235,7 +231,7 @@ class RecipeSetup(FTRecipeInterface):
         Returns:
             Tuple[Any, Optional[Any]]: the training data set and the validation one (None without ``dataset_val``).
         """
-        self._checkpointer = config.instantiate(cfg.checkpointer)
+        self._checkpointer = instantiate_component(cfg.checkpointer, "checkpointer")
         self._lora = LoRASettings.from_config(cfg.model)
         self._frozen_dtype = frozen_weights_dtype(
             self.settings.frozen_dtype, self.settings.dtype, self._checkpointer.hf_config
@@ -246,7 +242,9 @@ class RecipeSetup(FTRecipeInterface):
         check_nf4_sharding(self._model, self.world_size)  # [issue 23] refuse/report NF4 layouts before any load
         self._checkpointer.validate(self._model, builder=cfg.model.get("_component_"))  # [issue 24] names the builder
         self._tokenizer = build_tokenizer(cfg.tokenizer)
-        self._loss_fn = config.instantiate(cfg.loss)
+        self._loss_fn = instantiate_component(cfg.loss, "loss")
+        if not self.settings.dry_run:  # a dry run builds them for its estimate
+            check_optimizer(cfg.optimizer, cfg.lr_scheduler, self.settings.device)
         dataset = build_dataset(cfg.dataset, self._tokenizer)
         val_cfg = cfg.get("dataset_val", None)
         return dataset, build_dataset(val_cfg, self._tokenizer, "dataset_val") if val_cfg is not None else None
@@ -332,7 +330,8 @@ class RecipeSetup(FTRecipeInterface):
                 f"Deleted {len(stale)} temporary file(s)/folder(s) of interrupted writes: {[p.name for p in stale]}"
             )
         # [issue 17] a resume continues the interrupted run's TensorBoard folder
-        self._metric_logger = config.instantiate(continued_metric_logger(cfg.metric_logger, self._saved_log_dir))
+        metric_logger = continued_metric_logger(cfg.metric_logger, self._saved_log_dir)
+        self._metric_logger = instantiate_component(metric_logger, "metric_logger")
         self._metric_logger.log_config(cfg)
 
     def _load_model(self, state: Optional[RecipeState]) -> None:
@@ -445,8 +444,9 @@ class RecipeSetup(FTRecipeInterface):
             hyperparameters = state.restore_optimizer_(self._optimizer, load_full_optimizer_state)
             self._loss_scaler.load_state_dict(state.loss_scaler)
             state.restore_sampler_(self._sampler, self.world_size)
-        self._lr_scheduler = config.instantiate(
+        self._lr_scheduler = instantiate_component(
             cfg.lr_scheduler,
+            "lr_scheduler",
             self._optimizer,
             num_training_steps=self.settings.epochs * self._steps_per_epoch,
             last_epoch=self.global_step - 1,

@@ -3,6 +3,7 @@ fallback, the run's identity and its differences, the global data position, RNG 
 
 import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +22,14 @@ from torchtune_ext.checkpoint import (
 )
 from torchtune_ext.checkpoint._recipe_state import native_rng_state
 from torchtune_ext.config import ConfigError
-from torchtune_ext.data import write_tiny_checkpoint
+from torchtune_ext.data import TINY_TOKENIZER_PATH, write_tiny_checkpoint
 from torchtune_ext.training import rng_state, set_rng_state
 
 CFG = OmegaConf.create(
     {
         "output_dir": "/out",
         "model": {"_component_": "m.builder", "lora_rank": 16, "lora_alpha": 32, "lora_attn_modules": ["q_proj"]},
-        "tokenizer": {"_component_": "t.tok", "path": "/a/tokenizer.model", "max_seq_len": 64},
+        "tokenizer": {"_component_": "t.tok", "path": str(TINY_TOKENIZER_PATH), "max_seq_len": 64},
         "dataset": {"_component_": "d.data", "source": "json"},
         "checkpointer": {"model_type": "LLAMA3_2", "checkpoint_dir": "/base", "output_dir": "${output_dir}"},
         "optimizer": {"_component_": "torch.optim.AdamW", "lr": 3e-3},
@@ -127,13 +128,16 @@ def test_the_previous_state_is_kept_and_a_truncated_newest_falls_back_to_it(base
 
 def test_identity_lists_every_difference_and_allows_settings(base, tmp_path):
     saved = _identity(CFG, base / "model.safetensors")
+    moved = tmp_path / "b" / "tokenizer.model"  # the same tokenizer in another folder: the same run
+    moved.parent.mkdir()
+    shutil.copy(TINY_TOKENIZER_PATH, moved)
     changed_cfg = OmegaConf.merge(
         CFG,
         {
             "model": {"lora_alpha": 4},
             "optimizer": {"lr": 1e-3},
             "epochs": 2,
-            "tokenizer": {"path": "/b/tokenizer.model"},
+            "tokenizer": {"path": str(moved)},
         },
     )
     other_base = write_tiny_checkpoint(tmp_path / "other", family="llama", dtype="fp32", seed=1)
@@ -169,6 +173,55 @@ def test_identity_lists_every_difference_and_allows_settings(base, tmp_path):
     )
     with pytest.raises(ConfigError, match="vocab_pruning kept token ids"):
         state.check_resume(same, kept_ids=[1, 2], total_epochs=2)
+
+
+def _with_tokenizer(path: Path):
+    return OmegaConf.merge(CFG, {"tokenizer": {"path": str(path)}})
+
+
+def test_another_tokenizer_is_refused_naming_both_files(base, tmp_path):
+    """The tokenizer's files are in the identity by content: another file at another path, or the same path
+    rewritten, is another run; the refusal names both files and the fix."""
+    old, other = tmp_path / "old" / "tokenizer.model", tmp_path / "other" / "tokenizer.model"
+    for path, extra in ((old, b""), (other, b"\n")):  # (any other content: the identity hashes all of it)
+        path.parent.mkdir()
+        path.write_bytes(TINY_TOKENIZER_PATH.read_bytes() + extra)
+    state = _state(_identity(_with_tokenizer(old), base / "model.safetensors"))
+    state.source = Path("recipe_state.pt")
+    size = old.stat().st_size
+    saved = state.identity["tokenizer_files"]["path"]
+    assert saved.startswith(f"{size} bytes, sha256 ")
+
+    with pytest.raises(ConfigError) as raised:
+        state.check_resume(_identity(_with_tokenizer(other), base / "model.safetensors"), None, 1)
+    new = f"{size + 1} bytes, sha256 "
+    line = next(line for line in str(raised.value).splitlines() if line.startswith("  tokenizer.path: "))
+    assert line.startswith(f"  tokenizer.path: {old} ({saved}) -> {other} ({new}")
+    assert line.endswith(f": another tokenizer gives other token ids; set tokenizer.path={old}")
+
+    old.write_bytes(other.read_bytes())  # rewritten in place
+    with pytest.raises(ConfigError) as raised:
+        state.check_resume(_identity(_with_tokenizer(old), base / "model.safetensors"), None, 1)
+    assert f"  tokenizer.path: {old} ({saved}) -> {old} ({new}" in str(raised.value)
+    assert f"; put back the {old} the run trained with" in str(raised.value)
+
+    # A tokenizer file set where the saved run had none (the builder's default file) is another tokenizer too.
+    state = _state(_identity(OmegaConf.merge(CFG, {"tokenizer": {"path": None}}), base / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"tokenizer.path: \(not set\) -> .*; remove tokenizer.path"):
+        state.check_resume(_identity(_with_tokenizer(other), base / "model.safetensors"), None, 1)
+
+
+def test_a_state_saved_before_tokenizer_files_were_recorded_resumes_saying_so(base):
+    """Older recipe states have no ``tokenizer_files`` entry (and compared some tokenizer paths as config keys): they
+    still resume, with a line saying the tokenizer was not compared."""
+    run = _identity(CFG, base / "model.safetensors")
+    old_identity = {k: v for k, v in run.identity.items() if k != "tokenizer_files"}
+    old_identity["tokenizer.tokenizer_config_path"] = "/old/place/tokenizer_config.json"
+    state = _state(RunIdentity(identity=old_identity, settings=run.settings))
+    assert state.check_resume(run, kept_ids=None, total_epochs=1) == [
+        "The recipe state does not record the tokenizer's files (saved by an earlier version): tokenizer.path not "
+        "compared with the saved run's."
+    ]
 
 
 def test_a_finished_run_says_so(base):
