@@ -14,12 +14,19 @@ from typing import Any, Dict
 import torch
 from omegaconf import DictConfig, ListConfig
 from torch import nn
-from torchtune import config, training, utils
+from torchtune import training, utils
 from torchtune.training import FullModelHFCheckpointer
 
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import read_hf_config
-from torchtune_ext.config import EVAL_KEYS, ConfigError, ConfigFileNotFoundError, bad_value, check_generation_config
+from torchtune_ext.config import (
+    EVAL_KEYS,
+    ConfigError,
+    ConfigFileNotFoundError,
+    bad_value,
+    check_generation_config,
+    instantiate_component,
+)
 from torchtune_ext.generation import load_model_with_adapter
 from torchtune_ext.models import torchtune_builder_for
 from torchtune_ext.training import build_tokenizer
@@ -109,7 +116,7 @@ class EleutherEvalRecipe:
         if self._merged_dir is not None:
             model, what = load_merged_model(self._merged_dir, self._dtype, self._device), self._merged_dir
         else:
-            checkpointer = config.instantiate(cfg.checkpointer)
+            checkpointer = instantiate_component(cfg.checkpointer, "checkpointer")
             adapter_dir = cfg.get("adapter_dir", None)
             model = load_model_with_adapter(
                 checkpointer, adapter_dir, model=cfg.model, dtype=self._dtype, device=self._device

@@ -12,11 +12,11 @@ from typing import Any, Dict, List, Optional, TextIO
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from torchtune import config, utils
+from torchtune import utils
 
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import check_writable, read_hf_config
-from torchtune_ext.config import check_generation_config
+from torchtune_ext.config import check_generation_config, instantiate_component
 from torchtune_ext.generation._generate import (
     PREFILL_CHUNK,
     Generator,
@@ -123,7 +123,7 @@ class GenerationRecipe:
     def setup(self, cfg: DictConfig) -> None:
         """Loads the tokenizer and the model (the base streamed into NF4 + the adapter, checked first)."""
         start = time.perf_counter()
-        checkpointer = config.instantiate(cfg.checkpointer)
+        checkpointer = instantiate_component(cfg.checkpointer, "checkpointer")
         self._tokenizer = build_tokenizer(cfg.tokenizer)
         adapter_dir = cfg.get("adapter_dir", None)
         model = load_model_with_adapter(
