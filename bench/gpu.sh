@@ -14,7 +14,8 @@
 # Steps, most valuable first: the memory estimate (dry run's) against the measured peak (allocated and reserved) of
 # our recipe's step at 2048 tokens (fp32/bf16/fp16) and at 16384 with activation offloading and the tiled MLP; the
 # 1B-shaped QLoRA recipe, ours vs torchtune's (tokens/s, peak; seed 001's figure: fp32 ~20% above bf16); NF4
-# dequant and linear fwd+bwd vs torchao and dense; the tiny recipe vs torchtune's; the streamed 1B load; generation.
+# dequant and linear fwd+bwd vs torchao and dense; the tiny recipe vs torchtune's; the streamed 1B load; generation;
+# the 1.5B-shaped load onto the GPU against the read of its file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
@@ -92,4 +93,6 @@ if [ -f configs/tiny/generation.yaml ]; then
 fi
 section "1B-shaped streamed load: ours vs torchtune (bf16; writes its own checkpoint)"
 step 90 $PY bench/load.py --dtypes bf16 --cache "$CACHE"
+section "Qwen2.5-1.5B-shaped load onto the GPU: load / read of its file (issue 25's 1.5x; writes 3.1 GB once)"
+step 90 $PY bench/load_scaling.py --device cuda --skip-small --cache "$CACHE/load_scaling"
 section "done"

@@ -6,10 +6,12 @@ Prints two ratios:
    bf16 weights (target: within 1.5x);
 2. ``load_base_`` of a real-shape Qwen2.5-1.5B (random bf16 weights, 3.1 GB, written once to ``--cache``) over the
    time to read its file (every tensor, page cache warm), with the NF4 quantization's own share (target: 1.5x).
+   ``--device cuda`` loads onto the GPU, where the recipe quantizes (``bench/gpu.sh`` runs it).
 
 Run::
 
     OMP_NUM_THREADS=1 python bench/load_scaling.py [--cache /tmp/torchtune_ext_load_scaling] [--skip-1p5b]
+    python bench/load_scaling.py --device cuda --skip-small
 """
 
 from __future__ import annotations
@@ -52,12 +54,14 @@ def _checkpoint(path: Path, model: torch.nn.Module, args: dict) -> Path:
     return path
 
 
-def _timed_load(model: torch.nn.Module, checkpoint: Path, out: Path) -> Tuple[float, int]:
+def _timed_load(model: torch.nn.Module, checkpoint: Path, out: Path, device: torch.device) -> Tuple[float, int]:
     checkpointer = QLoRAHFCheckpointer(str(checkpoint), str(out), "QWEN2")
     checkpointer.validate(model)
     tensors = sum(len(read_safetensors_header(p)) for p in checkpointer.checkpoint_paths)
     start = time.perf_counter()
-    load_base_(model, checkpointer, torch.device("cpu"))
+    load_base_(model, checkpointer, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start, tensors
 
 
@@ -67,7 +71,7 @@ def per_tensor(cache: Path, layers: int, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         model = qlora_tiny_qwen(**LORA, num_layers=layers, dtype=torch.bfloat16, device="meta")
-        seconds, tensors = _timed_load(model, checkpoint, cache / "out")
+        seconds, tensors = _timed_load(model, checkpoint, cache / "out", torch.device("cpu"))
         best = min(best, seconds / tensors)
     print(f"  {layers:4d} layers: {tensors} tensors, {best * 1e3:.3f} ms per tensor (best of {repeats})", flush=True)
     return best
@@ -81,15 +85,18 @@ def read_seconds(checkpoint: Path) -> float:
     return time.perf_counter() - start
 
 
-def quantize_seconds(model: torch.nn.Module) -> float:
-    """Time to quantize every NF4 weight of the loaded model again from bf16 (the load's quantization share)."""
+def quantize_seconds(model: torch.nn.Module, device: torch.device) -> float:
+    """Time to quantize every NF4 weight of the loaded model again from bf16 on ``device`` (the load's
+    quantization share)."""
     total = 0.0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(weight, NF4Tensor):
-            dense = torch.empty(weight.shape, dtype=torch.bfloat16).normal_()
+            dense = torch.empty(weight.shape, dtype=torch.bfloat16, device=device).normal_()
             start = time.perf_counter()
             quantize_nf4(dense, weight.block_size, weight.scaler_block_size)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             total += time.perf_counter() - start
     return total
 
@@ -99,13 +106,17 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path("/tmp/torchtune_ext_load_scaling"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-1p5b", action="store_true")
+    parser.add_argument("--skip-small", action="store_true", help="only the Qwen2.5-1.5B load (part 2)")
+    parser.add_argument("--device", default="cpu", help="where part 2 loads and quantizes: cpu or cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, 1 thread", flush=True)
+    print(f"torch {torch.__version__}, 1 thread, part 2 on {device}", flush=True)
 
-    print("1. load_base_ time per tensor, small Qwen-style model (dim 256), bf16:")
-    small, large = per_tensor(args.cache, 8, args.repeats), per_tensor(args.cache, 128, args.repeats)
-    print(f"  ratio 128 / 8 layers: {large / small:.2f}x (target <= 1.5x)", flush=True)
+    if not args.skip_small:
+        print("1. load_base_ time per tensor, small Qwen-style model (dim 256), bf16:")
+        small, large = per_tensor(args.cache, 8, args.repeats), per_tensor(args.cache, 128, args.repeats)
+        print(f"  ratio 128 / 8 layers: {large / small:.2f}x (target <= 1.5x)", flush=True)
     if args.skip_1p5b:
         return
 
@@ -114,10 +125,10 @@ def main() -> None:
     read_seconds(checkpoint)  # warm the page cache
     read = min(read_seconds(checkpoint) for _ in range(2))
     model = qlora_qwen2_5_1_5b_instruct(**LORA, dtype=torch.bfloat16, device="meta")
-    load, tensors = _timed_load(model, checkpoint, args.cache / "out")
-    quantize = quantize_seconds(model)
+    load, tensors = _timed_load(model, checkpoint, args.cache / "out", device)
+    quantize = quantize_seconds(model, device)
     print(f"  read every tensor of the file: {read:.2f} s")
-    print(f"  load_base_ (read + NF4 quantize + place): {load:.2f} s, {tensors} tensors")
+    print(f"  load_base_ onto {device} (read + NF4 quantize + place): {load:.2f} s, {tensors} tensors")
     print(f"  of which NF4 quantization (measured alone): {quantize:.2f} s")
     print(f"  ratio load / read: {load / read:.2f}x (target <= 1.5x)")
     print(f"  ratio without the quantization: {(load - quantize) / read:.2f}x")
