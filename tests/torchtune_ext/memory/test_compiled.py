@@ -12,6 +12,7 @@ from typing import Tuple
 
 import pytest
 import torch
+from test_estimator import _cfg
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -36,6 +37,7 @@ from torchtune_ext.memory import (
     torchtune_train_step,
 )
 from torchtune_ext.memory._compiled import _DECOMPOSITIONS
+from torchtune_ext.training import QLoRARecipe
 
 LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)
 LORA.update(lora_rank=8, lora_alpha=16)
@@ -168,3 +170,14 @@ def test_compiled_loss_never_holds_the_fp32_logits():
     compiled = _compiled_estimator(_tiny_model("meta"), fake=True).estimate(1, 1024)
     fp32_logits = 1024 * 4096 * 4
     assert compiled.phase_peaks["logits/loss"] <= eager.phase_peaks["logits/loss"] - fp32_logits
+
+
+def test_our_recipe_dry_run_with_compile_says_it_is_the_eager_estimate():
+    """Our recipe's compile is not modelled: its dry run says so, and its estimate is the eager one."""
+    reports = {}
+    for compile in (False, True):
+        cfg = _cfg(f"compile={compile}", "tokenizer.max_seq_len=128", "device_memory_gb=16", "host_memory_gb=64")
+        reports[compile] = QLoRARecipe(cfg).dry_run(cfg)
+    assert "compile=True is not modelled for this recipe" in reports[True]
+    assert "compile=True" not in reports[False]
+    assert reports[True].splitlines()[:2] == reports[False].splitlines()[:2]
