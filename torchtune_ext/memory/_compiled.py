@@ -29,9 +29,6 @@ from torch import fx, nn
 from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor import config as inductor_config
-from torch._inductor import lowering
-from torch._inductor.decomposition import select_decomp_table
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
@@ -46,10 +43,17 @@ _aten = torch.ops.aten
 _ALIASING = frozenset({_aten._unsafe_view.default, _aten.alias.default, _aten.detach.default})
 # Reductions: inductor always realizes a reduction's output (``make_reduction`` calls ``realize()``).
 _REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "prod", "var_mean", "argmax", "argmin", "any"})
-# Inductor's decompositions, less those that replace the fused attention kernels by their O(seq^2) math: on CUDA,
-# inductor calls the flash / memory-efficient kernels as extern kernels.
-_DECOMPOSITIONS = {k: v for k, v in select_decomp_table().items() if "scaled_dot_product" not in str(k)}
 _PARTITION = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+
+
+# Inductor is imported on first use, not with this package (seconds of import time for every recipe start).
+@functools.cache
+def _decompositions() -> Dict[Any, Callable[..., Any]]:
+    """Inductor's decompositions, less those that replace the fused attention kernels by their O(seq^2) math: on
+    CUDA, inductor calls the flash / memory-efficient kernels as extern kernels."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return {k: v for k, v in select_decomp_table().items() if "scaled_dot_product" not in str(k)}
 
 
 def _is_alias(node: fx.Node) -> bool:
@@ -59,6 +63,8 @@ def _is_alias(node: fx.Node) -> bool:
 
 def _is_extern(node: fx.Node) -> bool:
     """An op inductor runs as its own kernel on realized inputs (matmuls, attention, fallbacks), not in a loop."""
+    from torch._inductor import lowering
+
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return False
@@ -90,6 +96,8 @@ def materialized_nodes(graph: fx.Graph) -> Set[fx.Node]:
     Returns:
         Set[fx.Node]: the materialized nodes (owners of storages; views are not listed).
     """
+    from torch._inductor import config as inductor_config
+
     realized: Set[fx.Node] = set()
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -215,7 +223,7 @@ class _AotCompiled:
                 fw_compiler=_compiler,
                 bw_compiler=_compiler,
                 partition_fn=_PARTITION,
-                decompositions=_DECOMPOSITIONS,
+                decompositions=_decompositions(),
             )
             # The trace runs the graphs once: uncounted, and its saved tensors kept from any activation checkpointing
             # around this call (which counts what is saved in its region).
@@ -239,8 +247,8 @@ def _layer_forward(layer: nn.Module) -> Callable[..., Any]:
     return forward
 
 
-class _CompiledLayer:
-    """A decoder layer's call, compiled (``layer._compiled_call_impl``, where ``nn.Module.compile`` puts it)."""
+class _CompiledForward:
+    """A decoder layer's forward, compiled; the layer's call (and its hooks, which the tracker uses) stays."""
 
     def __init__(self, layer: nn.Module, compiled: _AotCompiled):
         self.layer = layer
@@ -272,7 +280,7 @@ def compile_for_estimate(model: nn.Module, loss_fn: Optional[Any]) -> None:
     for layer in layers:
         structure = tuple((n, p.shape, p.dtype, p.requires_grad) for n, p in layer.named_parameters())
         compiled = shared.setdefault(structure, _AotCompiled(_layer_forward(layer)))
-        layer._compiled_call_impl = _CompiledLayer(layer, compiled)
+        layer.forward = _CompiledForward(layer, compiled)
     if loss_fn is None:
         return
     if not isinstance(loss_fn, CEWithChunkedOutputLoss):

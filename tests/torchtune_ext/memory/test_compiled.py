@@ -36,7 +36,7 @@ from torchtune_ext.memory import (
     torchtune_setup,
     torchtune_train_step,
 )
-from torchtune_ext.memory._compiled import _DECOMPOSITIONS
+from torchtune_ext.memory._compiled import _decompositions
 from torchtune_ext.training import QLoRARecipe
 
 LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)
@@ -101,7 +101,7 @@ def test_compiled_layer_saves_what_dynamo_hands_the_partitioner():
         fw_compiler=_nop,
         bw_compiler=_nop,
         partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
-        decompositions=_DECOMPOSITIONS,
+        decompositions=_decompositions(),
     )
     ours = _ours_saved()
     assert ours == _reference_saved(backend)
@@ -128,7 +128,7 @@ def _mlp(x: torch.Tensor, norm: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor
 def test_materialized_nodes_are_the_buffers_inductor_allocates():
     args = [torch.randn(SEQ, DIM, dtype=torch.bfloat16), torch.randn(DIM, dtype=torch.bfloat16)]
     args += [torch.randn(512, DIM, dtype=torch.bfloat16) for _ in range(2)] + [torch.randn(DIM, 512).bfloat16()]
-    graph = make_fx(_mlp, decomposition_table=_DECOMPOSITIONS)(*args).graph
+    graph = make_fx(_mlp, decomposition_table=_decompositions())(*args).graph
     ours = sorted(
         n.meta["val"].untyped_storage().nbytes() for n in materialized_nodes(graph) if n.op == "call_function"
     )
