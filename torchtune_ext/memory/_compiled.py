@@ -225,10 +225,9 @@ class _AotCompiled:
                 partition_fn=_PARTITION,
                 decompositions=_decompositions(),
             )
-            # The trace runs the graphs once: uncounted, and its saved tensors kept from any activation checkpointing
-            # around this call (which counts what is saved in its region).
-            # AOTAutograd keeps its example inputs (in the graphs' metadata): they are copies, never the step's own
-            # tensors, and the backward graph is compiled now, not lazily at the step's first backward.
+            # The trace runs the graphs once: uncounted, its saved tensors hidden from any activation checkpointing
+            # around this call, on copies of the inputs (AOTAutograd keeps its example inputs alive), the backward
+            # graph compiled now rather than at the step's first backward (from the step's own saved tensors).
             with (
                 _Untracked(),
                 torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
@@ -266,7 +265,7 @@ class _CompiledForward:
 def compile_for_estimate(model: nn.Module, loss_fn: Optional[Any]) -> None:
     """Compiles, for an estimate, what torchtune's recipe compiles under ``compile=True``: every
     ``TransformerSelfAttentionLayer`` of ``model`` (``training.compile_model``), and the cross-entropy of a
-    ``CEWithChunkedOutputLoss`` or else the whole loss (``training.compile_loss``).
+    ``CEWithChunkedOutputLoss`` (``training.compile_loss``; other losses it compiles whole, not modelled here).
 
     Args:
         model (nn.Module): the estimator's fake model (set up: adapters trainable, checkpointing wrapped).
