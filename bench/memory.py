@@ -32,11 +32,13 @@ Run (``--summary``: only Llama 3.1 8B, about 10 minutes on 2 shared cores; the f
 
 ``--torchtune-config`` estimates torchtune's ``lora_finetune_single_device`` as it runs one of its shipped configs
 (its model, loss, optimizer, batch, gradient accumulation and activation checkpointing from the config; batches padded
-to ``tokenizer.max_seq_len``, else ``--seq-len``), eager: ``compile=True``, packing and activation offloading are
-refused as not modelled. Its last line is exactly ``estimate: peak_allocated_gib=<x> peak_device_gib=<y>``.
+to ``tokenizer.max_seq_len``, else ``--seq-len``), eager or, with ``compile=True``, compiled as its recipe compiles
+(each decoder layer and the chunked cross-entropy: ``torchtune_ext.memory.compiled_setup``); packing and activation
+offloading are refused as not modelled. Its last line is exactly ``estimate: peak_allocated_gib=<x>
+peak_device_gib=<y>``.
 
 ``--summary`` computes only what its last line needs and ends with exactly
-``summary: llama3_1_8b fp32/bf16=<r> t4_fp16=<n> t4_fp32=<n> gpu16_bf16=<n> torchtune_compiled_bf16=n/a
+``summary: llama3_1_8b fp32/bf16=<r> t4_fp16=<n> t4_fp32=<n> gpu16_bf16=<n> torchtune_compiled_bf16=<n>
 t4_host_gib=<x>`` (one line): the ratio is our peak allocated at ``--seq-len``, batch 1, without offloading;
 ``t4_*`` the longest Llama 3.1 8B context (ours: activation offloading + tiled MLP + checkpointing) on a Colab T4:
 the ``t4`` device profile (14.58 GiB as torch reports it, the memory-efficient SDPA kernel), 12.7 GiB of host RAM,
@@ -44,9 +46,10 @@ the ``t4`` device profile (14.58 GiB as torch reports it, the memory-efficient S
 caching host allocator rounds them); ``gpu16_bf16`` the same on a 16 GiB sm80+ card with enough host RAM;
 ``t4_host_gib`` the host RAM the ``t4_fp16`` run needs. The table above the line adds the T4 contexts with the offload
 buffers pinned at their own size (``pinned_bytes(exact=True)``: torch's allocator told not to round them; not what
-the recipe does yet), not in the summary line. ``torchtune_compiled_bf16`` is ``n/a``: ``compile=True``
-is not modelled (issue 19, part 1), and an eager figure under that name would be wrong. Every figure is an estimate
-until ``bench/gpu.sh`` measures it.
+the recipe does yet), not in the summary line. ``torchtune_compiled_bf16`` is torchtune's recipe with
+``compile=True`` on that 16 GiB card (the same LoRA setting and batch, its activation checkpointing and chunked
+cross-entropy, no offloading; the same allowance and headroom as ours). Every figure is an estimate until
+``bench/gpu.sh`` measures it.
 """
 
 from __future__ import annotations
@@ -131,13 +134,17 @@ def _our_estimator(model_name: str, dtype_name: str, batch: int, seq_len: int, o
     return QLoRAFinetuneRecipeSingleDevice(cfg).memory_estimator(cfg), checkpoint
 
 
-def _torchtune_estimator(model_name: str, dtype_name: str, lora: Dict[str, Any], accumulation: int = 1):
-    """torchtune's recipe: its model, set-up, step, loss and optimizer, with our recipe's allowance."""
+def _torchtune_estimator(
+    model_name: str, dtype_name: str, lora: Dict[str, Any], accumulation: int = 1, compile: bool = False
+):
+    """torchtune's recipe: its model, set-up (``compile``: with ``compile=True``), step, loss and optimizer, with our
+    recipe's allowance."""
     import importlib
 
     from torchtune_ext.memory import (
         MemoryEstimator,
         adamw_factory,
+        compiled_setup,
         torchtune_qlora_model,
         torchtune_setup,
         torchtune_train_step,
@@ -149,7 +156,7 @@ def _torchtune_estimator(model_name: str, dtype_name: str, lora: Dict[str, Any],
     return MemoryEstimator(
         torchtune_qlora_model(builder, DTYPES[dtype_name], **lora),
         train_step=torchtune_train_step,
-        setup=torchtune_setup,
+        setup=compiled_setup(torchtune_setup) if compile else torchtune_setup,
         optimizer_factory=adamw_factory(trainable_only=False),
         gradient_accumulation_steps=accumulation,
         allowance=RECIPE_ALLOWANCE,
@@ -255,6 +262,22 @@ def run_fit_task(task: FitTask) -> Dict[str, Any]:
     }
 
 
+def run_torchtune_fit_task(task: Tuple[str, str, int]) -> Dict[str, Any]:
+    """Worker: the longest context of torchtune's recipe with ``compile=True`` (``LORA``, checkpointing, its
+    chunked loss) on the ``gpu16`` target, counted as :func:`run_fit_task` counts ours (same allowance, headroom)."""
+    from torchtune_ext.memory import HostMemory, longest_fitting_seq_len, process_bytes
+
+    torch.set_num_threads(1)
+    model_name, dtype_name, batch = task
+    begin = time.perf_counter()
+    estimator = _torchtune_estimator(model_name, dtype_name, LORA, compile=True)
+    target = _target("gpu16")
+    longest = longest_fitting_seq_len(estimator, target, batch, HostMemory(process_bytes(), 0, 0))
+    at = estimator.estimate(batch, longest)
+    seconds = time.perf_counter() - begin
+    return {"max_ctx": longest, "device": at.device_bytes, "peak": at.peak_bytes, "seconds": seconds}
+
+
 #: torchtune's recipe whose shipped configs ``--torchtune-config`` estimates.
 TORCHTUNE_RECIPE = "lora_finetune_single_device"
 
@@ -264,7 +287,7 @@ def torchtune_config(name: str, overrides: List[str]):
     overrides, checked before any estimate: what this estimate does not model is refused with its reason.
 
     Raises:
-        SystemExit: an unknown config, or a setting not modelled (compile, packing, activation offloading) or that
+        SystemExit: an unknown config, or a setting not modelled (packing, activation offloading) or that
             torchtune's recipe refuses (fp16).
     """
     import torchtune
@@ -278,8 +301,6 @@ def torchtune_config(name: str, overrides: List[str]):
     path = Path(torchtune.__file__).parent.parent / "recipes" / "configs" / names[name]
     cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
     refusals = {
-        "compile": "compile=True is not modelled: this estimate runs the eager step; inductor's fusion and memory "
-        "planning would hold less (issue 19, part 1). Pass compile=False for the eager estimate",
         "enable_activation_offloading": "enable_activation_offloading=True is not modelled for torchtune's recipe "
         "here (its OffloadActivations around the model's forward only, the output layer kept); pass False",
         "dataset.packed": "dataset.packed=True is not modelled (packed batches carry a block-causal mask); pass "
@@ -294,8 +315,9 @@ def torchtune_config(name: str, overrides: List[str]):
 
 
 def torchtune_config_estimate(name: str, overrides: List[str], seq_len: int):
-    """torchtune's ``lora_finetune_single_device`` step for its config ``name`` (eager): its model built from the
-    config's ``model:`` on meta under the config's dtype, its set-up (``torchtune_setup``), its loss and optimizer
+    """torchtune's ``lora_finetune_single_device`` step for its config ``name``: its model built from the
+    config's ``model:`` on meta under the config's dtype, its set-up (``torchtune_setup``; with ``compile=True``
+    compiled as its recipe compiles, ``compiled_setup``), its loss and optimizer
     from the config (over ``model.parameters()``), its micro-batch and accumulation; batches padded to
     ``tokenizer.max_seq_len`` (or ``seq_len`` where the config has none). Allowance: ``DeviceAllowance()``, since
     torchtune's recipe leaves the allocator at its default (fragmentation 1.0 of the transient part, from torchtune's
@@ -306,7 +328,13 @@ def torchtune_config_estimate(name: str, overrides: List[str], seq_len: int):
     """
     from torchtune import config, training
 
-    from torchtune_ext.memory import DeviceAllowance, MemoryEstimator, torchtune_setup, torchtune_train_step
+    from torchtune_ext.memory import (
+        DeviceAllowance,
+        MemoryEstimator,
+        compiled_setup,
+        torchtune_setup,
+        torchtune_train_step,
+    )
 
     cfg = torchtune_config(name, overrides)
     dtype = DTYPES[cfg.dtype]
@@ -315,7 +343,7 @@ def torchtune_config_estimate(name: str, overrides: List[str], seq_len: int):
     estimator = MemoryEstimator(
         model,
         train_step=torchtune_train_step,
-        setup=torchtune_setup,
+        setup=compiled_setup(torchtune_setup) if cfg.get("compile", False) else torchtune_setup,
         activation_checkpointing=bool(cfg.enable_activation_checkpointing),
         loss_fn=config.instantiate(cfg.loss),
         optimizer_factory=lambda m: config.instantiate(cfg.optimizer, m.parameters()),
@@ -330,8 +358,9 @@ def torchtune_config_estimate(name: str, overrides: List[str], seq_len: int):
 def _torchtune_config_main(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     estimate, cfg = torchtune_config_estimate(args.torchtune_config, args.overrides, args.seq_len)
+    compiled = bool(cfg.get("compile", False))
     print(
-        f"\n## torchtune's {TORCHTUNE_RECIPE} with its config {args.torchtune_config} (eager, compile=False; "
+        f"\n## torchtune's {TORCHTUNE_RECIPE} with its config {args.torchtune_config} (compile={compiled}; "
         f"dtype {cfg.dtype}, batch {estimate.batch_size} x {estimate.seq_len} tokens padded, gradient accumulation "
         f"{cfg.gradient_accumulation_steps}, activation checkpointing {cfg.enable_activation_checkpointing}, loss "
         f"{cfg.loss._component_}); an estimate, {time.perf_counter() - start:.0f} s\n"
@@ -505,7 +534,7 @@ def main() -> None:
     parser.add_argument(
         "--torchtune-config",
         help=f"estimate torchtune's {TORCHTUNE_RECIPE} for one of its shipped configs (e.g. "
-        "llama3_1/8B_qlora_single_device), eager; key=value overrides follow",
+        "llama3_1/8B_qlora_single_device), eager or compile=True; key=value overrides follow",
     )
     parser.add_argument("overrides", nargs="*", help="key=value overrides of --torchtune-config's config")
     args = parser.parse_args()
@@ -553,6 +582,7 @@ def _summary(args: argparse.Namespace) -> None:
         (MAIN, "fp32", "t4", 1, True),
     ]
     fits = {r["key"]: r for r in _run_all(run_fit_task, fit_tasks, args.jobs)}
+    torchtune_compiled = run_torchtune_fit_task((MAIN, "bf16", 1))
     ratio = {r["key"][2]: r for r in _run_all(run_task, ratio_tasks, args.jobs)}
     print(
         "\n## Llama 3.1 8B: longest context per target (batch 1, LoRA rank 32 on every linear layer; ours with "
@@ -575,13 +605,17 @@ def _summary(args: argparse.Namespace) -> None:
         )
     fp32, bf16 = ratio["fp32"]["peak"], ratio["bf16"]["peak"]
     print(f"\nours at batch 1 x {args.seq_len}, no offloading: fp32 peak {_gib(fp32)} GiB, bf16 {_gib(bf16)} GiB")
-    print(f"torchtune_compiled_bf16: n/a (compile=True is not modelled). wall time {time.perf_counter() - start:.0f} s")
+    print(
+        f"torchtune's recipe, compile=True, bf16 on gpu16 (activation checkpointing, no offloading): "
+        f"{torchtune_compiled['max_ctx']} tokens, device {_gib(torchtune_compiled['device'])} GiB "
+        f"({torchtune_compiled['seconds']:.0f} s). wall time {time.perf_counter() - start:.0f} s"
+    )
     t4_fp16 = fits[MAIN, "fp16", "t4", False]
     print(
         f"summary: {MAIN} fp32/bf16={fp32 / bf16:.2f} t4_fp16={t4_fp16['max_ctx']} "
         f"t4_fp32={fits[MAIN, 'fp32', 't4', False]['max_ctx']} "
         f"gpu16_bf16={fits[MAIN, 'bf16', 'gpu16', False]['max_ctx']} "
-        f"torchtune_compiled_bf16=n/a t4_host_gib={t4_fp16['host'].needed / GIB:.2f}"
+        f"torchtune_compiled_bf16={torchtune_compiled['max_ctx']} t4_host_gib={t4_fp16['host'].needed / GIB:.2f}"
     )
 
 

@@ -43,6 +43,7 @@ against, is here as :func:`torchtune_qlora_model`, :func:`torchtune_setup`, :fun
 Host reads of fake values in a step (``.item()``, ``bool()``, ``float()``) return placeholders (True, 1, 0.0).
 """
 
+from torchtune_ext.memory._compiled import compile_for_estimate, compiled_setup, materialized_nodes
 from torchtune_ext.memory._devices import DEFAULT_HEADROOM, PROFILES, DeviceProfile, device_profile, fits_line
 from torchtune_ext.memory._dry_run import (
     DryRunTarget,
@@ -86,6 +87,9 @@ __all__ = [
     "host_total",
     "host_report",
     "collect_rank_hosts",
+    "compile_for_estimate",
+    "compiled_setup",
+    "materialized_nodes",
     "RankHost",
     "CATEGORIES",
     "DEFAULT_HEADROOM",

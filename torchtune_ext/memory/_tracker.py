@@ -19,6 +19,7 @@ counted analytically is the CUDA attention backward kernels' internal workspace 
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -318,6 +319,23 @@ def count_as_host(tensor: torch.Tensor) -> None:
         _ACTIVE[-1].move_to_host(tensor)
 
 
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """Within: the ops' outputs are not counted by the estimate in progress (no-op outside an estimate).
+
+    For values a compiled kernel keeps in registers, never in device memory (inductor's fused pointwise ops, see
+    ``torchtune_ext.memory._compiled``): the op still runs, on fake tensors, so that later ops get their inputs.
+    """
+    tracker = _ACTIVE[-1] if _ACTIVE else None
+    if tracker is not None:
+        tracker._paused += 1
+    try:
+        yield
+    finally:
+        if tracker is not None:
+            tracker._paused -= 1
+
+
 class LiveStorageTracker(TorchDispatchMode):
     """Counts live storages op by op and classifies those live at the peak.
 
@@ -372,6 +390,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self._output_metadata: Dict[Any, Any] = {}  # op signature -> output metadata (or: unchanged)
         self._resizable: Dict[int, weakref.ref] = {}  # storages written by out= ops (FSDP2's all-gather outputs)
         self._polling = False
+        self._paused = 0  # > 0: inside uncounted()
 
     # ------------------------------------------------------------------------------------------ configuration
 
@@ -586,6 +605,8 @@ class LiveStorageTracker(TorchDispatchMode):
         return written if known else None
 
     def _track_outputs(self, out: Any) -> None:
+        if self._paused:
+            return
         kind = None
         for tensor in _tensors(out):
             if type(tensor) is not FakeTensor and is_traceable_wrapper_subclass(tensor):

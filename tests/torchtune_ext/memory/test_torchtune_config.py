@@ -1,5 +1,6 @@
 """[issue 19] ``bench/memory.py --torchtune-config``: torchtune's own ``lora_finetune_single_device`` step for one of
-its shipped configs, eager; what is not modelled (compile, packing, activation offloading) is refused.
+its shipped configs, eager or compiled (``compile=True``); what is not modelled (packing, activation offloading) is
+refused.
 
 Reference: arithmetic over the config's shapes: the LoRA params of ``llama3_2/1B_qlora_single_device`` (rank 64 on
 q/v/output_proj and the MLP of 16 layers of dim 2048, kv dim 512, MLP 8192), their gradients (kept through the
@@ -19,7 +20,6 @@ CONFIG = "llama3_2/1B_qlora_single_device"
 @pytest.mark.parametrize(
     "override, reason",
     [
-        ("compile=True", "compile=True is not modelled"),
         ("dataset.packed=True", "packed=True is not modelled"),
         ("enable_activation_offloading=True", "not modelled for torchtune's recipe"),
         ("dtype=fp16", "torchtune's recipe refuses it"),
@@ -32,8 +32,10 @@ def test_what_is_not_modelled_is_refused_before_any_estimate(override, reason):
         torchtune_config("llama3_2/1B_full", [])
 
 
-def test_the_config_sets_the_model_the_optimizer_and_the_accumulation():
-    estimate, cfg = torchtune_config_estimate(CONFIG, ["tokenizer.max_seq_len=64", "batch_size=1"], seq_len=2048)
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_config_sets_the_model_the_optimizer_and_the_accumulation(compile):
+    overrides = ["tokenizer.max_seq_len=64", "batch_size=1", f"compile={compile}"]
+    estimate, cfg = torchtune_config_estimate(CONFIG, overrides, seq_len=2048)
     dim, kv_dim, hidden, rank, layers = 2048, 512, 8192, 64, 16
     per_layer = [(dim, dim), (dim, kv_dim), (dim, dim), (dim, hidden), (hidden, dim), (dim, hidden)]
     lora_params = layers * sum(rank * (fan_in + fan_out) for fan_in, fan_out in per_layer)

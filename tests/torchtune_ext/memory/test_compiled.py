@@ -1,0 +1,183 @@
+"""[issue 19] Compiled steps (``compile=True``): the estimate's partition and buffers against torch.compile's own.
+
+References: what a layer compiled by torch.compile (dynamo, then AOTAutograd; inductor itself in the slow test)
+saves for its backward, counted by a saved-tensor hook on real CPU tensors; the buffers inductor's generated code
+allocates for a function (its ``empty_strided`` calls, buffer reuse off); and the same compiled step on real CPU
+tensors, counted the same way as the fake one.
+"""
+
+import functools
+import re
+from typing import Tuple
+
+import pytest
+import torch
+from test_estimator import _cfg
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
+from torch._subclasses import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torchtune.models.llama3_2 import lora_llama3_2
+from torchtune.modules.loss import CEWithChunkedOutputLoss
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+from torchtune_ext.memory import (
+    MemoryEstimator,
+    adamw_factory,
+    compile_for_estimate,
+    compiled_setup,
+    materialized_nodes,
+    to_fake_model,
+    torchtune_qlora_model,
+    torchtune_setup,
+    torchtune_train_step,
+)
+from torchtune_ext.memory._compiled import _decompositions
+from torchtune_ext.training import QLoRARecipe
+
+LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)
+LORA.update(lora_rank=8, lora_alpha=16)
+BATCH, SEQ, DIM = 2, 128, 256
+
+
+def _tiny_builder(**kwargs) -> nn.Module:
+    return lora_llama3_2(
+        vocab_size=4096, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=DIM, max_seq_len=1024,
+        intermediate_dim=512, **kwargs,
+    )  # fmt: skip
+
+
+def _tiny_model(device: str) -> nn.Module:
+    """torchtune's QLoRA model (torchao NF4 bases), adapters trainable, as its recipe sets it up."""
+    torch.manual_seed(0)
+    model = torchtune_qlora_model(_tiny_builder, torch.bfloat16, device=device, **LORA)
+    set_trainable_params(model, get_adapter_params(model))
+    return model
+
+
+def _saved_bytes(layer: nn.Module, x: torch.Tensor) -> Tuple[int, int]:
+    """Bytes and count of the storages the layer's forward saves for backward, besides its params and input."""
+    skip = {p.untyped_storage()._cdata for p in layer.parameters() if not is_traceable_wrapper_subclass(p)}
+    skip.add(x.untyped_storage()._cdata)
+    saved = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not is_traceable_wrapper_subclass(tensor) and tensor.untyped_storage()._cdata not in skip:
+            saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layer(x)
+    return sum(saved.values()), len(saved)
+
+
+def _ours_saved() -> Tuple[int, int]:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = to_fake_model(_tiny_model("meta"), mode)
+    compile_for_estimate(fake, CEWithChunkedOutputLoss())
+    with mode:
+        return _saved_bytes(fake.layers[0], torch.empty(BATCH, SEQ, DIM, dtype=torch.bfloat16, requires_grad=True))
+
+
+def _reference_saved(backend) -> Tuple[int, int]:
+    torch._dynamo.reset()
+    layer = _tiny_model("cpu").layers[0]
+    layer.compile(backend=backend)
+    return _saved_bytes(layer, torch.randn(BATCH, SEQ, DIM, dtype=torch.bfloat16, requires_grad=True))
+
+
+def _nop(module: torch.fx.GraphModule, example_inputs):
+    return module
+
+
+def test_compiled_layer_saves_what_dynamo_hands_the_partitioner():
+    """The estimate traces the layer with AOTAutograd directly; torch.compile goes through dynamo first (the NF4
+    linear's autograd.Function included). Same partitioner, inductor's decompositions: the same saved tensors."""
+    backend = aot_autograd(
+        fw_compiler=_nop,
+        bw_compiler=_nop,
+        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+        decompositions=_decompositions(),
+    )
+    ours = _ours_saved()
+    assert ours == _reference_saved(backend)
+    # The partition keeps each base weight's dequantized 16-bit copy (7 linears) besides the activations.
+    assert ours[0] > 2 * (DIM * DIM + 2 * DIM * 128 + DIM * DIM + 3 * DIM * 512)
+
+
+@pytest.mark.slow
+def test_compiled_layer_saves_what_inductor_saves():
+    """torch.compile with inductor on the CPU (about a minute on 2 cores): the same saved tensors."""
+    assert _ours_saved() == _reference_saved("inductor")
+
+
+def _mlp(x: torch.Tensor, norm: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """RMSNorm in fp32, then a SwiGLU-like MLP: no sigmoid (inductor's CPU code realizes reused sigmoids, its GPU
+    code does not; the estimate follows the GPU's) and no residual add (inductor turns ``mm + x`` into one addmm,
+    a rewrite the estimate does not make: one buffer more)."""
+    h = x.float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * norm
+    a, b = h @ w1.t(), h @ w3.t()
+    return ((a * torch.relu(a) * b) @ w2.t()).float() * 2
+
+
+def test_materialized_nodes_are_the_buffers_inductor_allocates():
+    args = [torch.randn(SEQ, DIM, dtype=torch.bfloat16), torch.randn(DIM, dtype=torch.bfloat16)]
+    args += [torch.randn(512, DIM, dtype=torch.bfloat16) for _ in range(2)] + [torch.randn(DIM, 512).bfloat16()]
+    graph = make_fx(_mlp, decomposition_table=_decompositions())(*args).graph
+    ours = sorted(
+        n.meta["val"].untyped_storage().nbytes() for n in materialized_nodes(graph) if n.op == "call_function"
+    )
+    torch._dynamo.reset()
+    with inductor_config.patch(allow_buffer_reuse=False, inplace_buffers=False):
+        _, code = run_and_get_code(torch.compile(_mlp, backend="inductor"), *args)
+    allocated = re.findall(r"empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)", "\n".join(code))
+    itemsize = {"bfloat16": 2, "float32": 4}  # the function's dtypes
+    theirs = sorted(
+        itemsize[dtype] * functools.reduce(lambda a, b: a * b, (int(d) for d in shape.split(",") if d.strip()), 1)
+        for shape, dtype in allocated
+    )
+    assert ours == theirs
+
+
+def _compiled_estimator(model: nn.Module, fake: bool) -> MemoryEstimator:
+    return MemoryEstimator(
+        model,
+        train_step=torchtune_train_step,
+        setup=compiled_setup(torchtune_setup),
+        optimizer_factory=adamw_factory(trainable_only=False),
+        fake=fake,
+    )
+
+
+def test_compiled_fake_estimate_matches_real_cpu_run():
+    fake = _compiled_estimator(_tiny_model("meta"), fake=True).estimate(BATCH, SEQ)
+    real = _compiled_estimator(_tiny_model("cpu"), fake=False).estimate(BATCH, SEQ)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.breakdown == real.breakdown
+
+
+def test_compiled_loss_never_holds_the_fp32_logits():
+    """Eager, each chunk's fp32 upcast is saved for backward; compiled, the partition recomputes it from the 16-bit
+    chunk: the peak of the loss phase drops by at least the fp32 logits of the 8 chunks."""
+    eager = MemoryEstimator(
+        _tiny_model("meta"), train_step=torchtune_train_step, setup=torchtune_setup, activation_checkpointing=True
+    ).estimate(1, 1024)
+    compiled = _compiled_estimator(_tiny_model("meta"), fake=True).estimate(1, 1024)
+    fp32_logits = 1024 * 4096 * 4
+    assert compiled.phase_peaks["logits/loss"] <= eager.phase_peaks["logits/loss"] - fp32_logits
+
+
+def test_our_recipe_dry_run_with_compile_says_it_is_the_eager_estimate():
+    """Our recipe's compile is not modelled: its dry run says so, and its estimate is the eager one."""
+    reports = {}
+    for compile in (False, True):
+        cfg = _cfg(f"compile={compile}", "tokenizer.max_seq_len=128", "device_memory_gb=16", "host_memory_gb=64")
+        reports[compile] = QLoRARecipe(cfg).dry_run(cfg)
+    assert "compile=True is not modelled for this recipe" in reports[True]
+    assert "compile=True" not in reports[False]
+    assert reports[True].splitlines()[:2] == reports[False].splitlines()[:2]
