@@ -4,7 +4,7 @@ check of the optimizer and LR schedule, each failing with the config key and the
 
 import inspect
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, ListConfig
@@ -124,17 +124,23 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, what: str = "dataset") -> Da
         ) from err
 
 
-def check_optimizer(cfg_optimizer: DictConfig, cfg_lr_scheduler: DictConfig, device: torch.device) -> None:
-    """Builds the optimizer and the LR schedule over one parameter, so that a value they refuse (``betas=0.9``, a
-    scheduler argument of the wrong type) fails before the weights load, not after.
+def build_optimizer(
+    cfg_optimizer: DictConfig, cfg_lr_scheduler: DictConfig, params: List[nn.Parameter]
+) -> Tuple[Any, Any]:
+    """The optimizer over ``params`` and its LR schedule for one training step: what the dry run's copy of the step
+    uses, and (over one parameter) the check that a value they refuse (``betas=0.9``, a scheduler argument of the
+    wrong type) fails before the weights load, not after.
 
     Args:
         cfg_optimizer (DictConfig): the ``optimizer`` section.
         cfg_lr_scheduler (DictConfig): the ``lr_scheduler`` section.
-        device (torch.device): the training device.
+        params (List[nn.Parameter]): the parameters it optimizes.
+
+    Returns:
+        Tuple[Any, Any]: the optimizer and the LR schedule.
 
     Raises:
         ConfigError: naming the key and the value refused.
     """
-    optimizer = instantiate_component(cfg_optimizer, "optimizer", [nn.Parameter(torch.zeros(1, device=device))])
-    instantiate_component(cfg_lr_scheduler, "lr_scheduler", optimizer, num_training_steps=1)
+    optimizer = instantiate_component(cfg_optimizer, "optimizer", params)
+    return optimizer, instantiate_component(cfg_lr_scheduler, "lr_scheduler", optimizer, num_training_steps=1)

@@ -36,7 +36,7 @@ from torchtune_ext.memory import (
     recipe_step_estimator,
 )
 from torchtune_ext.modules.vocab_pruning import scan_estimate_line
-from torchtune_ext.training._builders import build_dataset, build_qlora_model, build_tokenizer
+from torchtune_ext.training._builders import build_dataset, build_optimizer, build_qlora_model, build_tokenizer
 from torchtune_ext.training._checkpointing import disk_plan
 from torchtune_ext.training._precision import LossScaler
 from torchtune_ext.training._settings import dtype_or_checkpoints, frozen_weights_dtype
@@ -92,8 +92,7 @@ def _optimizer(step: QLoRARecipe, model: nn.Module, *, cfg: DictConfig) -> torch
     """The copy's optimizer and LR schedule, over the model's trainable params."""
     step._trainable_params = [p for p in model.parameters() if p.requires_grad]
     step._replicated_params = []
-    step._optimizer = instantiate_component(cfg.optimizer, "optimizer", step._trainable_params)
-    step._lr_scheduler = instantiate_component(cfg.lr_scheduler, "lr_scheduler", step._optimizer, num_training_steps=1)
+    step._optimizer, step._lr_scheduler = build_optimizer(cfg.optimizer, cfg.lr_scheduler, step._trainable_params)
     return step._optimizer
 
 

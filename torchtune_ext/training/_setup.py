@@ -61,7 +61,7 @@ from torchtune_ext.modules.vocab_pruning import (
     save_scanned_kept_ids,
 )
 from torchtune_ext.training._activations import activation_offloading
-from torchtune_ext.training._builders import build_dataset, build_qlora_model, build_tokenizer, check_optimizer
+from torchtune_ext.training._builders import build_dataset, build_optimizer, build_qlora_model, build_tokenizer
 from torchtune_ext.training._checkpointing import disk_plan
 from torchtune_ext.training._data import build_data_loader, check_data
 from torchtune_ext.training._export import check_run_folders
@@ -243,8 +243,9 @@ class RecipeSetup(FTRecipeInterface):
         self._checkpointer.validate(self._model, builder=cfg.model.get("_component_"))  # [issue 24] names the builder
         self._tokenizer = build_tokenizer(cfg.tokenizer)
         self._loss_fn = instantiate_component(cfg.loss, "loss")
-        if not self.settings.dry_run:  # a dry run builds them for its estimate
-            check_optimizer(cfg.optimizer, cfg.lr_scheduler, self.settings.device)
+        if not self.settings.dry_run:  # over one parameter, so a refused value fails now; a dry run builds its own
+            probe = [nn.Parameter(torch.zeros(1, device=self.settings.device))]
+            build_optimizer(cfg.optimizer, cfg.lr_scheduler, probe)
         dataset = build_dataset(cfg.dataset, self._tokenizer)
         val_cfg = cfg.get("dataset_val", None)
         return dataset, build_dataset(val_cfg, self._tokenizer, "dataset_val") if val_cfg is not None else None
