@@ -33,9 +33,11 @@ Run (``--summary``: only Llama 3.1 8B, about 10 minutes on 2 shared cores; the f
 ``--torchtune-config`` estimates torchtune's ``lora_finetune_single_device`` as it runs one of its shipped configs
 (its model, loss, optimizer, batch, gradient accumulation and activation checkpointing from the config; batches padded
 to ``tokenizer.max_seq_len``, else ``--seq-len``), eager or, with ``compile=True``, compiled as its recipe compiles
-(each decoder layer and the chunked cross-entropy: ``torchtune_ext.memory.compiled_setup``); packing and activation
-offloading are refused as not modelled. Its last line is exactly ``estimate: peak_allocated_gib=<x>
-peak_device_gib=<y>``.
+(each decoder layer and the chunked cross-entropy: ``torchtune_ext.memory.compiled_setup``), with its activation
+offloading (``enable_activation_offloading``: the host memory it moves is reported) and packed batches
+(``dataset.packed``: packs of ``tokenizer.max_seq_len`` tokens with a block-causal ``BlockMask``, flex attention as
+torchtune runs it on CUDA sm75+, every device profile): ``torchtune_ext.memory.TorchtuneStep``. Its last line is
+exactly ``estimate: peak_allocated_gib=<x> peak_device_gib=<y>``.
 
 ``--summary`` computes only what its last line needs and ends with exactly
 ``summary: llama3_1_8b fp32/bf16=<r> t4_fp16=<n> t4_fp32=<n> gpu16_bf16=<n> torchtune_compiled_bf16=<n>
@@ -282,13 +284,22 @@ def run_torchtune_fit_task(task: Tuple[str, str, int]) -> Dict[str, Any]:
 TORCHTUNE_RECIPE = "lora_finetune_single_device"
 
 
+def packed(cfg) -> bool:
+    """Whether torchtune's recipe gets packed batches from the config's ``dataset`` (one, or a list: its
+    ``ConcatDataset`` is packed when its datasets are)."""
+    from omegaconf import ListConfig
+
+    datasets = cfg.dataset if isinstance(cfg.dataset, ListConfig) else [cfg.dataset]
+    return all(bool(d.get("packed", False)) for d in datasets)
+
+
 def torchtune_config(name: str, overrides: List[str]):
     """One of torchtune's shipped ``lora_finetune_single_device`` configs (``tune ls``), with ``key=value``
     overrides, checked before any estimate: what this estimate does not model is refused with its reason.
 
     Raises:
-        SystemExit: an unknown config, or a setting not modelled (packing, activation offloading) or that
-            torchtune's recipe refuses (fp16).
+        SystemExit: an unknown config, or a setting torchtune's recipe refuses (fp16, activation offloading
+            without checkpointing, packing without ``tokenizer.max_seq_len``).
     """
     import torchtune
     from omegaconf import OmegaConf
@@ -300,15 +311,13 @@ def torchtune_config(name: str, overrides: List[str]):
         raise SystemExit(f"--torchtune-config {name}: not a config of torchtune's {TORCHTUNE_RECIPE} (tune ls)")
     path = Path(torchtune.__file__).parent.parent / "recipes" / "configs" / names[name]
     cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
-    refusals = {
-        "enable_activation_offloading": "enable_activation_offloading=True is not modelled for torchtune's recipe "
-        "here (its OffloadActivations around the model's forward only, the output layer kept); pass False",
-        "dataset.packed": "dataset.packed=True is not modelled (packed batches carry a block-causal mask); pass "
-        "dataset.packed=False and tokenizer.max_seq_len=<the pack size>",
-    }
-    for key, reason in refusals.items():
-        if OmegaConf.select(cfg, key, default=False):
-            raise SystemExit(reason)
+    if cfg.get("enable_activation_offloading", False) and not cfg.get("enable_activation_checkpointing", False):
+        raise SystemExit(
+            "enable_activation_offloading=True without enable_activation_checkpointing: torchtune's recipe refuses "
+            "it; pass enable_activation_checkpointing=True"
+        )
+    if packed(cfg) and cfg.tokenizer.get("max_seq_len", None) is None:
+        raise SystemExit("dataset.packed=True needs tokenizer.max_seq_len (torchtune's PackedDataset: the pack size)")
     if cfg.dtype == "fp16":
         raise SystemExit("dtype=fp16: torchtune's recipe refuses it (fp32 or bf16)")
     return cfg
@@ -316,34 +325,31 @@ def torchtune_config(name: str, overrides: List[str]):
 
 def torchtune_config_estimate(name: str, overrides: List[str], seq_len: int):
     """torchtune's ``lora_finetune_single_device`` step for its config ``name``: its model built from the
-    config's ``model:`` on meta under the config's dtype, its set-up (``torchtune_setup``; with ``compile=True``
-    compiled as its recipe compiles, ``compiled_setup``), its loss and optimizer
-    from the config (over ``model.parameters()``), its micro-batch and accumulation; batches padded to
-    ``tokenizer.max_seq_len`` (or ``seq_len`` where the config has none). Allowance: ``DeviceAllowance()``, since
-    torchtune's recipe leaves the allocator at its default (fragmentation 1.0 of the transient part, from torchtune's
-    published Llama 2 7B run).
+    config's ``model:`` on meta under the config's dtype, its set-up and step (``TorchtuneStep``: its activation
+    offloading with ``enable_activation_offloading``, packed batches with ``dataset.packed``; with ``compile=True``
+    compiled as its recipe compiles, ``compiled_setup``), its loss and optimizer from the config (over
+    ``model.parameters()``), its micro-batch and accumulation. Batches: ``batch_size`` sequences of
+    ``tokenizer.max_seq_len`` tokens (or ``seq_len`` where the config has none), padded, or packs of that size
+    with their ``input_pos`` and block-causal ``BlockMask`` (flex attention, as torchtune runs on CUDA sm75+: every
+    device profile). Allowance: ``DeviceAllowance()``, since torchtune's recipe leaves the allocator at its default
+    (fragmentation 1.0 of the transient part, from torchtune's published Llama 2 7B run).
 
     Returns:
         Tuple[MemoryEstimate, DictConfig]: the estimate and the config.
     """
     from torchtune import config, training
 
-    from torchtune_ext.memory import (
-        DeviceAllowance,
-        MemoryEstimator,
-        compiled_setup,
-        torchtune_setup,
-        torchtune_train_step,
-    )
+    from torchtune_ext.memory import DeviceAllowance, MemoryEstimator, TorchtuneStep, compiled_setup
 
     cfg = torchtune_config(name, overrides)
     dtype = DTYPES[cfg.dtype]
     with training.set_default_dtype(dtype), torch.device("meta"):
         model = config.instantiate(cfg.model)
+    step = TorchtuneStep(bool(cfg.get("enable_activation_offloading", False)), packed(cfg))
     estimator = MemoryEstimator(
         model,
-        train_step=torchtune_train_step,
-        setup=compiled_setup(torchtune_setup) if cfg.get("compile", False) else torchtune_setup,
+        train_step=step,
+        setup=compiled_setup(step.setup) if cfg.get("compile", False) else step.setup,
         activation_checkpointing=bool(cfg.enable_activation_checkpointing),
         loss_fn=config.instantiate(cfg.loss),
         optimizer_factory=lambda m: config.instantiate(cfg.optimizer, m.parameters()),
@@ -361,9 +367,11 @@ def _torchtune_config_main(args: argparse.Namespace) -> None:
     compiled = bool(cfg.get("compile", False))
     print(
         f"\n## torchtune's {TORCHTUNE_RECIPE} with its config {args.torchtune_config} (compile={compiled}; "
-        f"dtype {cfg.dtype}, batch {estimate.batch_size} x {estimate.seq_len} tokens padded, gradient accumulation "
-        f"{cfg.gradient_accumulation_steps}, activation checkpointing {cfg.enable_activation_checkpointing}, loss "
-        f"{cfg.loss._component_}); an estimate, {time.perf_counter() - start:.0f} s\n"
+        f"dtype {cfg.dtype}, batch {estimate.batch_size} x {estimate.seq_len} tokens "
+        f"{'packed (flex attention)' if packed(cfg) else 'padded'}, gradient accumulation "
+        f"{cfg.gradient_accumulation_steps}, activation checkpointing {cfg.enable_activation_checkpointing}, "
+        f"activation offloading {cfg.get('enable_activation_offloading', False)}, loss {cfg.loss._component_}); an "
+        f"estimate, {time.perf_counter() - start:.0f} s\n"
     )
     print(estimate.format())
     print(

@@ -29,6 +29,7 @@ from torch import fx, nn
 from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
@@ -62,10 +63,13 @@ def _is_alias(node: fx.Node) -> bool:
 
 
 def _is_extern(node: fx.Node) -> bool:
-    """An op inductor runs as its own kernel on realized inputs (matmuls, attention, fallbacks), not in a loop."""
+    """An op inductor runs as its own kernel on realized inputs (matmuls, attention, fallbacks, flex attention's
+    templates), not in a loop."""
     from torch._inductor import lowering
 
     target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return True
     if not isinstance(target, torch._ops.OpOverload):
         return False
     return target in lowering.needs_realized_inputs or target in lowering.fallbacks or target not in lowering.lowerings
@@ -133,6 +137,7 @@ class _GraphRunner:
     _boxed_call = True  # AOTAutograd passes a list it gives up, so saved tensors can be freed inside the graph
 
     def __init__(self, module: fx.GraphModule):
+        self.module = module  # its submodules: the score and mask functions of flex attention
         self.nodes = list(module.graph.nodes)
         self.counted = materialized_nodes(module.graph)
         for node in self.nodes:
@@ -154,6 +159,8 @@ class _GraphRunner:
                 env[node] = next(inputs)
             elif node.op == "output":
                 return fx.node.map_arg(node.args[0], env.__getitem__)
+            elif node.op == "get_attr":
+                env[node] = operator.attrgetter(node.target)(self.module)
             else:
                 env[node] = self._run(node, env)
             for dead in self.dead_after.get(node, ()):
@@ -208,18 +215,20 @@ def _example(value: Any) -> Any:
 
 class _AotCompiled:
     """``fn(params, *args)`` compiled as torch.compile's AOTAutograd stage does, one trace per input signature
-    (shapes, dtypes, grad mode), shared by every module of the same structure (the decoder layers)."""
+    (shapes, dtypes, grad mode), shared by every module of the same structure (the decoder layers). ``context``: what
+    the trace closes over besides the tensors (what their shapes determine, such as a ``BlockMask``'s structure),
+    passed to ``fn`` as ``context=`` when there is one."""
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
         self.compiled: Dict[Tuple[Any, ...], Callable[..., Any]] = {}
 
-    def __call__(self, params: Dict[str, torch.Tensor], *args: Any) -> Any:
+    def __call__(self, params: Dict[str, torch.Tensor], *args: Any, context: Any = None) -> Any:
         key = _signature((params, args))
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = aot_function(
-                self.fn,
+                self.fn if context is None else functools.partial(self.fn, context=context),
                 fw_compiler=_compiler,
                 bw_compiler=_compiler,
                 partition_fn=_PARTITION,
@@ -239,27 +248,53 @@ class _AotCompiled:
 
 
 def _layer_forward(layer: nn.Module) -> Callable[..., Any]:
-    def forward(params: Dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        params: Dict[str, torch.Tensor],
+        x: torch.Tensor,
+        mask: Any,
+        input_pos: Optional[torch.Tensor],
+        context: Optional[Callable[[Tuple[torch.Tensor, ...]], BlockMask]] = None,
+    ) -> torch.Tensor:
+        if context is not None:
+            mask = context(mask)
         with _reparametrize_module(layer, params):
-            return type(layer).forward(layer, x)
+            return type(layer).forward(layer, x, mask=mask, input_pos=input_pos)
 
     return forward
 
 
+def _block_mask_tensors(mask: BlockMask) -> Tuple[Tuple[Any, ...], Callable[..., BlockMask]]:
+    """A ``BlockMask``'s leaves as its pytree flattening gives them (its tensors and its ``mask_mod``'s captured
+    tensors: the inputs a trace takes) and how to make the mask again from such leaves."""
+    leaves, context = mask._flatten()
+    return tuple(leaves), functools.partial(BlockMask._unflatten, context=context)
+
+
 class _CompiledForward:
-    """A decoder layer's forward, compiled; the layer's call (and its hooks, which the tracker uses) stays."""
+    """A decoder layer's forward, compiled; the layer's call (and its hooks, which the tracker uses) stays. A packed
+    batch's ``mask`` (a flex attention ``BlockMask``: its tensors) and ``input_pos`` are inputs of the trace, and
+    flex attention is one extern kernel of the layer's graph. Not modelled: torchtune calls it through
+    ``torch.compiler.disable`` (its own compiled function), so dynamo breaks the layer's graph there, and what the
+    attention saves for backward is then its inputs as given (k and v expanded to every head) rather than what the
+    partition of the one graph chooses (at most one layer's expanded k and v apart, with checkpointing)."""
 
     def __init__(self, layer: nn.Module, compiled: _AotCompiled):
         self.layer = layer
         self.compiled = compiled
 
-    def __call__(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, *, mask: Any = None, input_pos: Optional[torch.Tensor] = None, **kwargs: Any
+    ) -> torch.Tensor:
         if any(value is not None for value in kwargs.values()):
             raise NotImplementedError(
                 f"compiled layer estimate: {sorted(k for k, v in kwargs.items() if v is not None)} not modelled "
-                "(masks of packed batches, KV caches); estimate without them"
+                "(KV caches, encoder inputs); estimate without them"
             )
-        return self.compiled({**dict(self.layer.named_parameters()), **dict(self.layer.named_buffers())}, x)
+        rebuild = None
+        if isinstance(mask, BlockMask):
+            mask, rebuild = _block_mask_tensors(mask)
+        params = {**dict(self.layer.named_parameters()), **dict(self.layer.named_buffers())}
+        return self.compiled(params, x, mask, input_pos, context=rebuild)
 
 
 def compile_for_estimate(model: nn.Module, loss_fn: Optional[Any]) -> None:

@@ -6,19 +6,37 @@ A recipe passes its own, so that the estimate runs exactly its code: ours does i
 ``forward_backward`` and ``optimizer_step``, its configured optimizer). This module holds the peer the
 benchmarks compare against, torchtune 0.6.1's ``lora_finetune_single_device`` recipe: its model
 (:func:`torchtune_qlora_model`), its set-up of that model (:func:`torchtune_setup`), its step
-(:func:`torchtune_train_step`) and its optimizer (:func:`adamw_factory` with ``trainable_only=False``).
+(:func:`torchtune_train_step`) and its optimizer (:func:`adamw_factory` with ``trainable_only=False``);
+:class:`TorchtuneStep` adds its activation offloading and packed batches (``enable_activation_offloading``,
+``dataset.packed``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+import contextlib
+import math
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
 from torch import nn
+from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    _apply_kernel_options,
+    _extract_callable_pytree,
+    _identity,
+    _reconstruct_closure_fn,
+    create_block_mask,
+)
 from torch.optim import AdamW, Optimizer
 from torchtune import modules, training
+from torchtune.modules.attention_utils import _get_document_ids_from_seq_lens
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune.modules.tied_linear import TiedLinear
+from torchtune.training._activation_offloading import NoOpManager
+
+from torchtune_ext.memory._offload import OffloadedActivations
 
 #: ``step(model, loss_fn, optimizer, batch)``: one full training step (forward, loss, backward, optimizer step).
 TrainStep = Callable[[nn.Module, Any, Optimizer, Dict[str, torch.Tensor]], None]
@@ -68,23 +86,33 @@ def adamw_factory(
     return factory
 
 
-def torchtune_train_step(model: nn.Module, loss_fn: Any, optimizer: Optimizer, batch: Dict[str, torch.Tensor]) -> None:
+def torchtune_train_step(
+    model: nn.Module,
+    loss_fn: Any,
+    optimizer: Optimizer,
+    batch: Dict[str, Any],
+    activations_handling_ctx: Optional[ContextManager] = None,
+) -> None:
     """One step of torchtune 0.6.1's ``lora_finetune_single_device`` (``_loss_step`` and its ``train`` loop, one
-    micro-batch that ends a gradient-accumulation step): ``model(tokens)``, shifted labels, the loss weighted by the
-    token count, backward, ``scale_grads``, ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
+    micro-batch that ends a gradient-accumulation step): ``model(**batch)`` in its activations context, shifted
+    labels, the loss weighted by the token count, backward, ``scale_grads``, ``optimizer.step()``,
+    ``zero_grad(set_to_none=True)``.
 
     Args:
         model (nn.Module): the model.
         loss_fn (Any): the loss.
         optimizer (Optimizer): the optimizer (torchtune's is over all of ``model.parameters()``).
-        batch (Dict[str, torch.Tensor]): ``tokens`` and ``labels``.
+        batch (Dict[str, Any]): ``tokens`` and ``labels``; packed: also ``input_pos`` and ``mask``.
+        activations_handling_ctx (Optional[ContextManager]): the context of the model's forward (its
+            ``activations_handling_ctx``: :func:`torchtune_activation_offloading`); None: none.
     """
     ignore_index = loss_fn.ignore_index
     batch = dict(batch)
     ignore_labels_cache = torch.full((batch["labels"].shape[0], 1), ignore_index, device=batch["tokens"].device)
     num_tokens = (batch["labels"] != ignore_index).sum()
     labels = batch.pop("labels")
-    logits = model(**batch)
+    with activations_handling_ctx or contextlib.nullcontext():
+        logits = model(**batch)
     labels = torch.hstack((labels[..., 1:], ignore_labels_cache[: labels.shape[0]]))
     if not isinstance(logits, list):
         labels = labels.reshape(-1)
@@ -117,3 +145,114 @@ def torchtune_qlora_model(
     """
     with training.set_default_dtype(dtype), torch.device(device):
         return lora_builder(quantize_base=True, **builder_kwargs)
+
+
+def torchtune_activation_offloading(model: nn.Module) -> ContextManager:
+    """torchtune's ``training.get_act_offloading_ctx_manager(model, True)`` as an estimate runs it: the saved-tensor
+    hooks of :class:`~torchtune_ext.memory.OffloadedActivations` (its ``OffloadActivations`` needs CUDA streams), and
+    its exclusion of the output projection, hooked as torchtune hooks it: torchtune's ``NoOpManager`` entered before
+    ``model.output`` (or a ``TiedLinear``'s ``linear``) runs and left after, so what it saves stays on the device.
+
+    Args:
+        model (nn.Module): torchtune's decoder (with an ``output``).
+
+    Returns:
+        ContextManager: the context of the model's forward.
+
+    Raises:
+        NotImplementedError: a model without ``output`` (torchtune offloads its head then, or refuses a multimodal
+            model), not modelled.
+    """
+    head = getattr(model, "output", None)
+    head = head.linear if isinstance(head, TiedLinear) else head
+    if not isinstance(head, nn.Module):
+        raise NotImplementedError(
+            f"{type(model).__name__} has no output head: torchtune's offloading of such a model is not modelled"
+        )
+    noop_ctx = NoOpManager()
+    head.register_forward_pre_hook(lambda *args: noop_ctx.__enter__())
+    head.register_forward_hook(lambda *args: noop_ctx.__exit__(), always_call=True)
+    return OffloadedActivations()
+
+
+def packed_batch(batch_size: int, seq_len: int, device: torch.device) -> Dict[str, Any]:
+    """What torchtune's ``padded_collate_packed`` adds to a batch of ``PackedDataset`` packs on a GPU where torchtune
+    uses flex attention (``_SUPPORTS_FLEX_ATTENTION``: CUDA sm75+): ``input_pos`` (int64, one per token) and the
+    block-causal ``BlockMask`` made by ``packed_block_causal_mask`` (its ``create_block_mask`` of the document mask,
+    on the device). One document per pack: the mask's tensors have the same shapes for any documents.
+
+    Args:
+        batch_size (int): packs per batch.
+        seq_len (int): tokens per pack (``tokenizer.max_seq_len``).
+        device (torch.device): the batch's device.
+
+    Returns:
+        Dict[str, Any]: ``input_pos`` and ``mask``.
+    """
+    seq_lens = [torch.tensor([seq_len]) for _ in range(batch_size)]
+    document_ids = _get_document_ids_from_seq_lens(seq_lens).to(device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+
+    input_pos = torch.arange(seq_len, device=device).repeat(batch_size, 1)
+    return {"input_pos": input_pos, "mask": create_block_mask(mask_mod, batch_size, None, seq_len, seq_len, device)}
+
+
+def flex_or_sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout_p: float, is_causal: bool
+) -> torch.Tensor:
+    """torchtune's ``_attention_call`` where it supports flex attention (CUDA sm75+): flex attention for a
+    ``BlockMask``, else SDPA. Flex attention is its op, ``torch.ops.higher_order.flex_attention``, called as
+    ``torch.compile(flex_attention)`` calls it (on fake CPU tensors the public function refuses a backward): the
+    tensors ``mask_mod`` captures (torchtune's document ids) passed as its buffers, as dynamo lifts them."""
+    if isinstance(mask, BlockMask):
+        if dropout_p > 0.0:
+            raise ValueError("Flex attention does not support dropout. Please set dropout to 0.0.")
+        buffers, spec, stripped = _extract_callable_pytree(mask.mask_mod)
+
+        def mask_mod(b, h, q_idx, kv_idx, *captured):
+            return _reconstruct_closure_fn(stripped, captured, spec)(b, h, q_idx, kv_idx)
+
+        options = _apply_kernel_options(q, k, v, False, None)
+        scale = 1.0 / math.sqrt(q.size(-1))
+        out, _, _ = flex_attention_hop(
+            q, k, v, _identity, (*mask.as_tuple()[:-1], mask_mod), scale, options, (), buffers
+        )
+        return out
+    if mask is not None:
+        mask = mask[:, None, :, :]
+    return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+class TorchtuneStep:
+    """torchtune 0.6.1's ``lora_finetune_single_device`` set-up and step with its ``enable_activation_offloading``
+    and ``dataset.packed`` settings, as an estimate's ``setup`` (:meth:`setup`, or ``compiled_setup(step.setup)``
+    for ``compile=True``) and ``train_step`` (the instance).
+
+    Args:
+        activation_offloading (bool): its activation offloading (:func:`torchtune_activation_offloading`).
+        packed (bool): packed batches (:func:`packed_batch`: each sequence a pack of ``seq_len`` tokens), the
+            attention as torchtune calls it on such a GPU (:func:`flex_or_sdpa_attention`).
+    """
+
+    def __init__(self, activation_offloading: bool = False, packed: bool = False):
+        self.activation_offloading = activation_offloading
+        self.packed = packed
+        self.activations_handling_ctx: Optional[ContextManager] = None
+
+    def setup(self, model: nn.Module, loss_fn: Any, activation_checkpointing: bool) -> None:
+        """:func:`torchtune_setup`, then (as its ``_setup_model`` does last) the activations context."""
+        torchtune_setup(model, loss_fn, activation_checkpointing)
+        if self.packed:
+            for module in model.modules():
+                if isinstance(module, modules.MultiHeadAttention):
+                    module._attention_call = flex_or_sdpa_attention
+        if self.activation_offloading:
+            self.activations_handling_ctx = torchtune_activation_offloading(model)
+
+    def __call__(self, model: nn.Module, loss_fn: Any, optimizer: Optimizer, batch: Dict[str, Any]) -> None:
+        if self.packed:
+            tokens = batch["tokens"]
+            batch = {**batch, **packed_batch(tokens.shape[0], tokens.shape[1], tokens.device)}
+        torchtune_train_step(model, loss_fn, optimizer, batch, self.activations_handling_ctx)

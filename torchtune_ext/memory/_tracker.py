@@ -13,7 +13,10 @@ the module call that made it).
 
 Sizes are what the CUDA caching allocator would count for ``torch.cuda.max_memory_allocated``: each storage rounded
 up to 512 bytes (``round_bytes``), zero-byte storages not at all. The one allocation that is not a storage and is
-counted analytically is the CUDA attention backward kernels' internal workspace (:func:`attention_backward_workspace`).
+counted analytically is the CUDA attention backward kernels' internal workspace (:func:`attention_backward_workspace`,
+and for flex attention the fp32 ``delta`` inductor's backward computes before its kernel:
+:func:`flex_attention_backward_workspace`). Higher-order operators (flex attention) run on their fake
+implementations, their outputs counted as an op's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch._higher_order_ops.flex_attention import flex_attention_backward
+from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -251,6 +256,21 @@ def attention_backward_workspace(query: torch.Tensor, backend: Optional[str] = N
         return 4 * batch * heads * seq * ((head_dim + 1) if sixteen_bit else 1)
     seq_rounded = _round_up(seq, 128)
     return 4 * batch * seq_rounded * heads * _round_up(head_dim, 32) + 4 * batch * heads * seq_rounded
+
+
+def flex_attention_backward_workspace(query: torch.Tensor) -> int:
+    """Bytes inductor's flex attention backward allocates besides its outputs, for ``query`` of shape ``[batch,
+    heads, seq, head_dim]``: ``delta = (out * grad_out).sum(-1)`` in fp32, ``[batch, heads, seq]``
+    (``torch/_inductor/kernel/flex/flex_attention.py``); the kernel accumulates dQ in registers, not in memory.
+
+    Args:
+        query (torch.Tensor): the attention query.
+
+    Returns:
+        int: bytes.
+    """
+    batch, heads, seq, _ = query.shape
+    return 4 * batch * heads * seq
 
 
 # Attention backward ops and the position of their query argument; their kernel-internal workspace is added for the
@@ -536,8 +556,12 @@ class LiveStorageTracker(TorchDispatchMode):
             return LOGITS_LOSS, None
         return _FORWARD, self._calls[-1] if self._calls else None
 
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return self._higher_order(func, args, kwargs)
         if func in _VIEW_OPS and type(args[0]) is FakeTensor and args[0].constant is None:
             return _fake_view(func, args, kwargs)
         if func in _FRESH_OUTPUT_OPS and _all_fake(args, kwargs):
@@ -562,6 +586,15 @@ class LiveStorageTracker(TorchDispatchMode):
             self._track_written(kwargs["out"])  # FSDP2's copy into the storages it gathers into
         if func in _ATTENTION_BACKWARD:
             self._spike(attention_backward_workspace(args[_ATTENTION_BACKWARD[func]], self.attention_backend))
+        return out
+
+    def _higher_order(self, func: HigherOrderOperator, args: Any, kwargs: Dict[str, Any]) -> Any:
+        """A higher-order operator (flex attention): its implementation below this mode (FakeTensorMode's: its
+        outputs' shapes), its outputs counted, and its kernel's workspace."""
+        out = func(*args, **kwargs)
+        self._track_outputs(out)
+        if func is flex_attention_backward:
+            self._spike(flex_attention_backward_workspace(args[0]))
         return out
 
     def _spike(self, nbytes: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torchtune.models.gemma2._attention import Gemma2Attention
 from torchtune.modules import MultiHeadAttention
 
@@ -55,7 +56,7 @@ def _grow_on_demand(rope: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, An
     x = args[0] if args else kwargs["x"]
     needed = x.size(1)
     input_pos = kwargs.get("input_pos")
-    if input_pos is not None:
+    if input_pos is not None and not isinstance(input_pos, FunctionalTensor):  # traced for compile: no values
         needed = max(needed, int(input_pos.max()) + 1)
     if needed > rows:
         _resize(rope, 1 << (needed - 1).bit_length())
