@@ -32,7 +32,8 @@ or from Python (``dry_run=True`` skips the checks of a device this machine does 
 Passing ``model=`` (a real model materialized from the same ``model:`` section) runs the same step on real CPU
 tensors, counted the same way: the estimate's validation. torchtune's own recipe, the peer the benchmarks compare
 against, is here as :func:`torchtune_qlora_model`, :func:`torchtune_setup`, :func:`torchtune_train_step` and
-``adamw_factory(trainable_only=False)``::
+``adamw_factory(trainable_only=False)``; :class:`TorchtuneStep` is its set-up and step with its activation offloading
+(the output head kept on the device) and packed batches (``input_pos`` and a flex attention ``BlockMask``)::
 
     from torchtune.models.llama3_1 import lora_llama3_1_8b
 
