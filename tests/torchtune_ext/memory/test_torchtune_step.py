@@ -131,4 +131,3 @@ def test_activation_offloading_moves_the_layer_inputs_to_the_host_but_not_the_ou
     offloaded = _estimate(TorchtuneStep(activation_offloading=True), checkpointing=True)
     assert plain.host_bytes == 0
     assert offloaded.host_bytes == LAYERS * B * S * DIM * 2 + 2 * B * S * DIM * 4 + 2 * B * S * 4
-    assert offloaded.peak_bytes < plain.peak_bytes
