@@ -12,7 +12,8 @@ back. The output projection's forward runs under torchtune's ``NoOpManager`` (:m
 
 What it cannot: stream timing. On CUDA a stashed or brought-back tensor may live a little longer than its release
 point (the copy stream's events, ``record_stream``); the estimate frees it at the release point, as if the copies
-kept up with the compute.
+kept up with the compute. And each host copy is made on the (fake) device, then declared host memory: for that
+instant it counts on the device too (after the stash's releases at that pack, as torchtune releases them first).
 """
 
 from __future__ import annotations
