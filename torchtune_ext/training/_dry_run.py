@@ -81,9 +81,9 @@ def _bind(step: QLoRARecipe, model: nn.Module, loss_fn: Any, *, cfg: DictConfig,
     step._loss_scaler = LossScaler(
         step.settings.dtype == torch.float16, torch.device("cpu"), **cfg.get("loss_scaler", {})
     )
-    if step.settings.enable_activation_offloading:
-        step._activation_offloading = OffloadedActivations()
     step._prepare_model(model)
+    if step.settings.enable_activation_offloading:  # last, as the recipe's _prepare_model sets up the real one
+        step._activation_offloading = OffloadedActivations.for_model(model)
     step._parallelize()  # [issue 19] FSDP2 on a fake process group (a per-rank dry run); no-op on one rank
     step._setup_loss()
 
