@@ -33,8 +33,6 @@ from torchtune import modules, training
 from torchtune.modules.attention_utils import _get_document_ids_from_seq_lens
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
-from torchtune.modules.tied_linear import TiedLinear
-from torchtune.training._activation_offloading import NoOpManager
 
 from torchtune_ext.memory._offload import OffloadedActivations
 
@@ -104,7 +102,7 @@ def torchtune_train_step(
         optimizer (Optimizer): the optimizer (torchtune's is over all of ``model.parameters()``).
         batch (Dict[str, Any]): ``tokens`` and ``labels``; packed: also ``input_pos`` and ``mask``.
         activations_handling_ctx (Optional[ContextManager]): the context of the model's forward (its
-            ``activations_handling_ctx``: :func:`torchtune_activation_offloading`); None: none.
+            ``activations_handling_ctx``: ``OffloadedActivations.for_model``); None: none.
     """
     ignore_index = loss_fn.ignore_index
     batch = dict(batch)
@@ -145,34 +143,6 @@ def torchtune_qlora_model(
     """
     with training.set_default_dtype(dtype), torch.device(device):
         return lora_builder(quantize_base=True, **builder_kwargs)
-
-
-def torchtune_activation_offloading(model: nn.Module) -> ContextManager:
-    """torchtune's ``training.get_act_offloading_ctx_manager(model, True)`` as an estimate runs it: the saved-tensor
-    hooks of :class:`~torchtune_ext.memory.OffloadedActivations` (its ``OffloadActivations`` needs CUDA streams), and
-    its exclusion of the output projection, hooked as torchtune hooks it: torchtune's ``NoOpManager`` entered before
-    ``model.output`` (or a ``TiedLinear``'s ``linear``) runs and left after, so what it saves stays on the device.
-
-    Args:
-        model (nn.Module): torchtune's decoder (with an ``output``).
-
-    Returns:
-        ContextManager: the context of the model's forward.
-
-    Raises:
-        NotImplementedError: a model without ``output`` (torchtune offloads its head then, or refuses a multimodal
-            model), not modelled.
-    """
-    head = getattr(model, "output", None)
-    head = head.linear if isinstance(head, TiedLinear) else head
-    if not isinstance(head, nn.Module):
-        raise NotImplementedError(
-            f"{type(model).__name__} has no output head: torchtune's offloading of such a model is not modelled"
-        )
-    noop_ctx = NoOpManager()
-    head.register_forward_pre_hook(lambda *args: noop_ctx.__enter__())
-    head.register_forward_hook(lambda *args: noop_ctx.__exit__(), always_call=True)
-    return OffloadedActivations()
 
 
 def packed_batch(batch_size: int, seq_len: int, device: torch.device) -> Dict[str, Any]:
@@ -231,7 +201,7 @@ class TorchtuneStep:
     for ``compile=True``) and ``train_step`` (the instance).
 
     Args:
-        activation_offloading (bool): its activation offloading (:func:`torchtune_activation_offloading`).
+        activation_offloading (bool): its activation offloading (``OffloadedActivations.for_model``).
         packed (bool): packed batches (:func:`packed_batch`: each sequence a pack of ``seq_len`` tokens), the
             attention as torchtune calls it on such a GPU (:func:`flex_or_sdpa_attention`).
     """
@@ -249,7 +219,7 @@ class TorchtuneStep:
                 if isinstance(module, modules.MultiHeadAttention):
                     module._attention_call = flex_or_sdpa_attention
         if self.activation_offloading:
-            self.activations_handling_ctx = torchtune_activation_offloading(model)
+            self.activations_handling_ctx = OffloadedActivations.for_model(model)
 
     def __call__(self, model: nn.Module, loss_fn: Any, optimizer: Optimizer, batch: Dict[str, Any]) -> None:
         if self.packed:
