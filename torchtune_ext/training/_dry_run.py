@@ -130,9 +130,10 @@ def dry_run_report(recipe: QLoRARecipe, cfg: DictConfig) -> str:
         f"gradient_accumulation_steps={settings.gradient_accumulation_steps}",
     ]
     if settings.compile:
+        loss = "" if isinstance(estimator.loss_fn, LinearCrossEntropyLoss) else " and the loss's cross-entropy"
         lines.append(
-            "  compile=True: decoder layers (and a CEWithChunkedOutputLoss) as torch.compile runs them: AOTAutograd's "
-            "partition, inductor's buffers (an upper bound: its later fusions not modelled)"
+            f"  compile=True: the decoder layers{loss} estimated as torch.compile runs them (AOTAutograd's partition, "
+            "inductor's buffers; an upper bound: its later fusions not modelled)"
         )
     lines += _costs(recipe, cfg)  # [issue 25]
     lines += _fits(recipe, cfg, estimator, estimate, target)  # [issue 19]

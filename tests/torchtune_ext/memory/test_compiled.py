@@ -224,6 +224,6 @@ def test_our_recipe_dry_run_with_compile_estimates_the_compiled_step():
     for compile in (False, True):
         cfg = _cfg(f"compile={compile}", "tokenizer.max_seq_len=128", "device_memory_gb=16", "host_memory_gb=64")
         reports[compile] = QLoRARecipe(cfg).dry_run(cfg)
-    assert "compile=True: decoder layers" in reports[True]
+    assert "compile=True: the decoder layers estimated as torch.compile runs them" in reports[True]
     assert "compile=True" not in reports[False]
     assert reports[True].splitlines()[1] != reports[False].splitlines()[1]  # the peak: the compiled step's own
