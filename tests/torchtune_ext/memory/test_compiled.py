@@ -130,20 +130,34 @@ def _our_tiny_model(device: str) -> nn.Module:
     return model
 
 
-def test_compiled_nf4_layer_saves_what_dynamo_hands_the_partitioner():
-    """Our NF4 linear decodes through a cached table, a global tensor that dynamo lifts into a graph input (it cannot
-    trace the table's making inside the autograd.Function, so the reference makes it eagerly first, as a run's
-    steady state has it); the estimate's trace takes the table as an input too: the same saved tensors."""
+def _our_nf4_layer_saved() -> Tuple[int, int]:
     with accelerator_code_path():
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake = to_fake_model(_our_tiny_model("meta"), mode)
         compile_for_estimate(fake, None)
         with mode:
-            ours = _saved_bytes(fake.layers[0], torch.empty(BATCH, SEQ, DIM, dtype=torch.bfloat16, requires_grad=True))
+            return _saved_bytes(fake.layers[0], torch.empty(BATCH, SEQ, DIM, dtype=torch.bfloat16, requires_grad=True))
+
+
+def _our_nf4_layer_reference_saved(backend) -> Tuple[int, int]:
+    """Dynamo cannot trace the decoding table's making inside our autograd.Function (the table, made in the Function's
+    subgraph, escapes it into the cache), so the reference makes it eagerly first, as a run's steady state has it."""
     with accelerator_code_path():
-        theirs = _reference_saved(_AOT_BACKEND, _our_tiny_model("cpu"), warm=True)
-    assert ours == theirs
+        return _reference_saved(backend, _our_tiny_model("cpu"), warm=True)
+
+
+def test_compiled_nf4_layer_saves_what_dynamo_hands_the_partitioner():
+    """Our NF4 linear decodes through a cached table, a global tensor that dynamo lifts into a graph input; the
+    estimate's trace takes the table as an input too: the same saved tensors (each dequantized base weight)."""
+    ours = _our_nf4_layer_saved()
+    assert ours == _our_nf4_layer_reference_saved(_AOT_BACKEND)
     assert ours[0] > _DENSE_BASE_BYTES
+
+
+@pytest.mark.slow
+def test_compiled_nf4_layer_saves_what_inductor_saves():
+    """torch.compile with inductor on the CPU (our NF4 code's accelerator branch): the same saved tensors."""
+    assert _our_nf4_layer_saved() == _our_nf4_layer_reference_saved("inductor")
 
 
 @pytest.mark.slow
