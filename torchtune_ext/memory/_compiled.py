@@ -15,7 +15,8 @@ convention inductor's code uses). The estimator's tracker then counts the compil
 what activation checkpointing discards and recomputes, the gradients, the optimizer state, the peak.
 
 Dynamo itself is not run: it skips frames while a dispatch mode (the tracker) is active. AOTAutograd traces the
-layer's forward directly, which is the graph dynamo hands it for a layer without graph breaks.
+layer's forward directly, which is the graph dynamo hands it for a layer without graph breaks. Our NF4 linear decodes
+through a cached table (a global tensor), which dynamo lifts into a graph input; the trace takes it as an input too.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ from torch.utils._pytree import tree_flatten
 from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
+from torchtune_ext.memory._fake import _TABLE_CACHES, _nf4_code_modules
 from torchtune_ext.memory._steps import Setup
 from torchtune_ext.memory._tracker import LiveStorageTracker, uncounted
+from torchtune_ext.modules import FrozenNF4Linear, LoRALinear
+from torchtune_ext.nf4 import NF4Tensor
 
 _aten = torch.ops.aten
 # Ops that alias their input (no storage of their own), as the tracker counts them.
@@ -170,8 +174,8 @@ class _GraphRunner:
     def _run(self, node: fx.Node, env: Dict[fx.Node, Any]) -> Any:
         args = fx.node.map_arg(node.args, env.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-        if node in self.counted or _base(node) is not node:
-            return node.target(*args, **kwargs)
+        if _base(node) in self.counted:  # a view: counted with its base (on real tensors, a view of an
+            return node.target(*args, **kwargs)  # uncounted value would count that value's storage)
         with uncounted():
             return node.target(*args, **kwargs)
 
@@ -247,9 +251,39 @@ class _AotCompiled:
         return compiled(params, *args)
 
 
+def _nf4_tables() -> Dict[Any, torch.Tensor]:
+    """Our NF4 codec's decoding tables (its cache, per dtype and device)."""
+    return getattr(_nf4_code_modules()[1], _TABLE_CACHES[0])
+
+
+def _layer_nf4_tables(layer: nn.Module) -> Dict[Any, torch.Tensor]:
+    """The decoding tables our NF4 linears in ``layer`` use (torchao's decode without them), made now if they are not
+    yet: counted, as an eager step makes them."""
+    quad_lut = _nf4_code_modules()[1]._quad_lut
+    for module in layer.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, (FrozenNF4Linear, LoRALinear)) and isinstance(weight, NF4Tensor) and not weight.is_meta:
+            quad_lut(weight.nf4)
+    return dict(_nf4_tables())
+
+
+class _TracedTables:
+    """Within: the codec reads the decoding tables the trace takes as inputs (set by the traced forward), as dynamo
+    lifts the cached tables (global tensors) into graph inputs; after: the cache as it was. The trace spans the
+    backward too, so the tables stay the traced ones until the traced call returns."""
+
+    def __enter__(self) -> None:
+        self._saved = dict(_nf4_tables())
+
+    def __exit__(self, *exc: Any) -> None:
+        _nf4_tables().clear()
+        _nf4_tables().update(self._saved)
+
+
 def _layer_forward(layer: nn.Module) -> Callable[..., Any]:
     def forward(
         params: Dict[str, torch.Tensor],
+        tables: Dict[Any, torch.Tensor],
         x: torch.Tensor,
         mask: Any,
         input_pos: Optional[torch.Tensor],
@@ -257,6 +291,7 @@ def _layer_forward(layer: nn.Module) -> Callable[..., Any]:
     ) -> torch.Tensor:
         if context is not None:
             mask = context(mask)
+        _nf4_tables().update(tables)
         with _reparametrize_module(layer, params):
             return type(layer).forward(layer, x, mask=mask, input_pos=input_pos)
 
@@ -294,7 +329,9 @@ class _CompiledForward:
         if isinstance(mask, BlockMask):
             mask, rebuild = _block_mask_tensors(mask)
         params = {**dict(self.layer.named_parameters()), **dict(self.layer.named_buffers())}
-        return self.compiled(params, x, mask, input_pos, context=rebuild)
+        tables = _layer_nf4_tables(self.layer)
+        with _TracedTables():
+            return self.compiled(params, tables, x, mask, input_pos, context=rebuild)
 
 
 def compile_for_estimate(model: nn.Module, loss_fn: Optional[Any]) -> None:

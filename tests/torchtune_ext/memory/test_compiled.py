@@ -12,7 +12,7 @@ from typing import Tuple
 
 import pytest
 import torch
-from test_estimator import _cfg
+from test_estimator import CE_CHUNKED, LINEAR_CE, _assert_same, _cfg, _fake_and_real, _label_rows_bytes
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -37,6 +37,8 @@ from torchtune_ext.memory import (
     torchtune_train_step,
 )
 from torchtune_ext.memory._compiled import _decompositions
+from torchtune_ext.memory._fake import accelerator_code_path
+from torchtune_ext.models import qlora_tiny_llama
 from torchtune_ext.training import QLoRARecipe
 
 LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)
@@ -83,30 +85,79 @@ def _ours_saved() -> Tuple[int, int]:
         return _saved_bytes(fake.layers[0], torch.empty(BATCH, SEQ, DIM, dtype=torch.bfloat16, requires_grad=True))
 
 
-def _reference_saved(backend) -> Tuple[int, int]:
+def _reference_saved(backend, model: nn.Module, warm: bool = False) -> Tuple[int, int]:
     torch._dynamo.reset()
-    layer = _tiny_model("cpu").layers[0]
+    layer = model.layers[0]
+    x = torch.randn(BATCH, SEQ, DIM, dtype=torch.bfloat16, requires_grad=True)
+    if warm:
+        with torch.no_grad():
+            layer(x)
     layer.compile(backend=backend)
-    return _saved_bytes(layer, torch.randn(BATCH, SEQ, DIM, dtype=torch.bfloat16, requires_grad=True))
+    return _saved_bytes(layer, x)
 
 
 def _nop(module: torch.fx.GraphModule, example_inputs):
     return module
 
 
+_AOT_BACKEND = aot_autograd(
+    fw_compiler=_nop,
+    bw_compiler=_nop,
+    partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+    decompositions=_decompositions(),
+)
+# The 16-bit dequantized base weights of the tiny layer's 7 linears (q, k, v, output, w1, w2, w3).
+_DENSE_BASE_BYTES = 2 * (DIM * DIM + 2 * DIM * 128 + DIM * DIM + 3 * DIM * 512)
+
+
 def test_compiled_layer_saves_what_dynamo_hands_the_partitioner():
     """The estimate traces the layer with AOTAutograd directly; torch.compile goes through dynamo first (the NF4
     linear's autograd.Function included). Same partitioner, inductor's decompositions: the same saved tensors."""
-    backend = aot_autograd(
-        fw_compiler=_nop,
-        bw_compiler=_nop,
-        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
-        decompositions=_decompositions(),
-    )
     ours = _ours_saved()
-    assert ours == _reference_saved(backend)
+    assert ours == _reference_saved(_AOT_BACKEND, _tiny_model("cpu"))
     # The partition keeps each base weight's dequantized 16-bit copy (7 linears) besides the activations.
-    assert ours[0] > 2 * (DIM * DIM + 2 * DIM * 128 + DIM * DIM + 3 * DIM * 512)
+    assert ours[0] > _DENSE_BASE_BYTES
+
+
+def _our_tiny_model(device: str) -> nn.Module:
+    """Our QLoRA model (our NF4 linear), adapters trainable."""
+    torch.manual_seed(0)
+    model = qlora_tiny_llama(
+        LORA["lora_attn_modules"], apply_lora_to_mlp=True, dtype=torch.bfloat16, adapter_dtype=torch.bfloat16,
+        device=device,
+    )  # fmt: skip
+    set_trainable_params(model, get_adapter_params(model))
+    return model
+
+
+def _our_nf4_layer_saved() -> Tuple[int, int]:
+    with accelerator_code_path():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = to_fake_model(_our_tiny_model("meta"), mode)
+        compile_for_estimate(fake, None)
+        with mode:
+            return _saved_bytes(fake.layers[0], torch.empty(BATCH, SEQ, DIM, dtype=torch.bfloat16, requires_grad=True))
+
+
+def _our_nf4_layer_reference_saved(backend) -> Tuple[int, int]:
+    """Dynamo cannot trace the decoding table's making inside our autograd.Function (the table, made in the Function's
+    subgraph, escapes it into the cache), so the reference makes it eagerly first, as a run's steady state has it."""
+    with accelerator_code_path():
+        return _reference_saved(backend, _our_tiny_model("cpu"), warm=True)
+
+
+def test_compiled_nf4_layer_saves_what_dynamo_hands_the_partitioner():
+    """Our NF4 linear decodes through a cached table, a global tensor that dynamo lifts into a graph input; the
+    estimate's trace takes the table as an input too: the same saved tensors (each dequantized base weight)."""
+    ours = _our_nf4_layer_saved()
+    assert ours == _our_nf4_layer_reference_saved(_AOT_BACKEND)
+    assert ours[0] > _DENSE_BASE_BYTES
+
+
+@pytest.mark.slow
+def test_compiled_nf4_layer_saves_what_inductor_saves():
+    """torch.compile with inductor on the CPU (our NF4 code's accelerator branch): the same saved tensors."""
+    assert _our_nf4_layer_saved() == _our_nf4_layer_reference_saved("inductor")
 
 
 @pytest.mark.slow
@@ -172,12 +223,21 @@ def test_compiled_loss_never_holds_the_fp32_logits():
     assert compiled.phase_peaks["logits/loss"] <= eager.phase_peaks["logits/loss"] - fp32_logits
 
 
-def test_our_recipe_dry_run_with_compile_says_it_is_the_eager_estimate():
-    """Our recipe's compile is not modelled: its dry run says so, and its estimate is the eager one."""
+@pytest.mark.parametrize("loss, checkpointing", [(CE_CHUNKED, False), (LINEAR_CE, True)])
+def test_our_recipe_compiled_fake_estimate_matches_real_cpu_run(loss, checkpointing):
+    """Our recipe with compile=True: its layers (and a CEWithChunkedOutputLoss) compiled for the estimate, fake and
+    real CPU tensors give the same step."""
+    cfg = _cfg(f"loss._component_={loss}", "dtype=bf16", f"enable_activation_checkpointing={checkpointing}")
+    cfg.compile = True
+    fake, real = _fake_and_real(cfg, BATCH, SEQ)
+    _assert_same(fake, real, _label_rows_bytes(cfg, BATCH, SEQ, DIM, 16384))
+
+
+def test_our_recipe_dry_run_with_compile_estimates_the_compiled_step():
     reports = {}
     for compile in (False, True):
         cfg = _cfg(f"compile={compile}", "tokenizer.max_seq_len=128", "device_memory_gb=16", "host_memory_gb=64")
         reports[compile] = QLoRARecipe(cfg).dry_run(cfg)
-    assert "compile=True is not modelled for this recipe" in reports[True]
+    assert "compile=True: the decoder layers estimated as torch.compile runs them" in reports[True]
     assert "compile=True" not in reports[False]
-    assert reports[True].splitlines()[:2] == reports[False].splitlines()[:2]
+    assert reports[True].splitlines()[1] != reports[False].splitlines()[1]  # the peak: the compiled step's own
