@@ -17,7 +17,9 @@ import math
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
+from torch import nn
 from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.tensor import DTensor
 
 from torchtune_ext._compat import _INNER_TENSOR_NAMES_FOR_SHARDING, NF4Tensor, SubclassTensorArgs
 from torchtune_ext.nf4._huge_pages import empty_with_huge_pages
@@ -430,6 +432,25 @@ def _quad_lut(nf4_values: torch.Tensor) -> torch.Tensor:
         lut = lut.view(-1) if lut.shape[-1] == 1 else lut
         _QUAD_LUTS[key] = lut
     return lut
+
+
+def cache_nf4_decoding_tables(model: nn.Module, device: torch.device) -> None:
+    """Makes now the decoding tables that decoding ``model``'s NF4 weights on ``device`` reads (one per dtype,
+    cached), so that no forward has to make one.
+
+    torch.compile needs this: dynamo reads a cached table as a graph input, but cannot trace its making inside the NF4
+    linear's autograd.Function once that is a subgraph, i.e. when the first compiled layer's input requires grad
+    (trainable embedding rows): "An intermediate tensor ... created inside a higher-order op subgraph ...". Call it
+    after the weights are loaded, before the first compiled forward.
+
+    Args:
+        model (nn.Module): the model; its NF4 weights may be FSDP2 shards (their dtype is what counts).
+        device (torch.device): where the forward decodes (the training device, also under FSDP CPU offload).
+    """
+    locals_ = (p._local_tensor if isinstance(p, DTensor) else p for p in model.parameters())
+    dtypes = {local.dtype for local in locals_ if isinstance(local, NF4Tensor)}
+    for dtype in dtypes:
+        _quad_lut(torch.tensor(_NF4_LEVELS, dtype=dtype, device=device))
 
 
 def dequantize_nf4_scalers(weight: NF4Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ from torchtune_ext.modules.vocab_pruning import (
     resolve_kept_ids,
     save_scanned_kept_ids,
 )
+from torchtune_ext.nf4 import cache_nf4_decoding_tables
 from torchtune_ext.training._activations import activation_offloading
 from torchtune_ext.training._builders import build_dataset, build_optimizer, build_qlora_model, build_tokenizer
 from torchtune_ext.training._checkpointing import disk_plan
@@ -347,6 +348,8 @@ class RecipeSetup(FTRecipeInterface):
             model, self._checkpointer, self.settings.device, pruning=self._pruning, sharded_device=self._sharded_device
         )
         check_base_finite(model, self._checkpointer.checkpoint_dir, self._checkpointer.converter.to_hf)  # [issue 24]
+        if self.settings.compile:
+            cache_nf4_decoding_tables(model, self.settings.device)
         init_adapters_(model, self.settings.device, state.adapter if state is not None else None)
         training.validate_no_params_on_meta_device(model)
 
