@@ -15,7 +15,8 @@
 # our recipe's step at 2048 tokens (fp32/bf16/fp16) and at 16384 with activation offloading and the tiled MLP; the
 # 1B-shaped QLoRA recipe, ours vs torchtune's (tokens/s, peak; seed 001's figure: fp32 ~20% above bf16); NF4
 # dequant and linear fwd+bwd vs torchao and dense; the tiny recipe vs torchtune's; the streamed 1B load; generation;
-# the 1.5B-shaped load onto the GPU against the read of its file.
+# the 1.5B-shaped load onto the GPU against the read of its file (issue 25: right after the memory steps); last, the
+# compiled estimate against compiled steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
@@ -60,6 +61,8 @@ section "memory: estimate vs measured peak, our recipe's step, 1B-shaped, 2048 t
 step 110 $PY bench/gpu_memory.py --seq 2048 --steps 3 --settings fp32,bf16,fp16 --cache "$CACHE"
 section "memory: 16384 tokens with activation offloading + tiled MLP (bf16, fp32)"
 step 110 $PY bench/gpu_memory.py --seq 16384 --steps 2 --settings bf16+offload+tiled,fp32+offload+tiled --cache "$CACHE"
+section "Qwen2.5-1.5B-shaped load onto the GPU: load / read of its file (issue 25's 1.5x; writes 3.1 GB once)"
+step 90 $PY bench/load_scaling.py --device cuda --skip-small --cache "$CACHE/load_scaling"
 
 CKPT="$CACHE/random_qlora_llama3_2_1b"  # written by bench/gpu_memory.py above
 DATA="tokenizer._component_=torchtune_ext.data.tiny_tokenizer ~tokenizer.path tokenizer.max_seq_len=512
@@ -93,6 +96,7 @@ if [ -f configs/tiny/generation.yaml ]; then
 fi
 section "1B-shaped streamed load: ours vs torchtune (bf16; writes its own checkpoint)"
 step 90 $PY bench/load.py --dtypes bf16 --cache "$CACHE"
-section "Qwen2.5-1.5B-shaped load onto the GPU: load / read of its file (issue 25's 1.5x; writes 3.1 GB once)"
-step 90 $PY bench/load_scaling.py --device cuda --skip-small --cache "$CACHE/load_scaling"
+section "memory: compile=True, the compiled estimate vs measured (bf16 2048; fp16 16384 with offloading)"
+step 120 $PY bench/gpu_memory.py --seq 2048 --steps 3 --settings bf16+compile --cache "$CACHE"
+step 120 $PY bench/gpu_memory.py --seq 16384 --steps 2 --settings fp16+offload+compile --cache "$CACHE"
 section "done"

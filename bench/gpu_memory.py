@@ -29,6 +29,8 @@ SETTINGS = {
     "fp32": ["dtype=fp32"],
     "bf16+offload+tiled": ["dtype=bf16", "enable_activation_offloading=True", "tiled_mlp_tokens=4096"],
     "fp32+offload+tiled": ["dtype=fp32", "enable_activation_offloading=True", "tiled_mlp_tokens=4096"],
+    "bf16+compile": ["dtype=bf16", "compile=True"],
+    "fp16+offload+compile": ["dtype=fp16", "enable_activation_offloading=True", "compile=True"],
 }
 
 
