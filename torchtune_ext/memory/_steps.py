@@ -148,8 +148,10 @@ def torchtune_qlora_model(
 def packed_batch(batch_size: int, seq_len: int, device: torch.device) -> Dict[str, Any]:
     """What torchtune's ``padded_collate_packed`` adds to a batch of ``PackedDataset`` packs on a GPU where torchtune
     uses flex attention (``_SUPPORTS_FLEX_ATTENTION``: CUDA sm75+): ``input_pos`` (int64, one per token) and the
-    block-causal ``BlockMask`` made by ``packed_block_causal_mask`` (its ``create_block_mask`` of the document mask,
-    on the device). One document per pack: the mask's tensors have the same shapes for any documents.
+    block-causal ``BlockMask`` as ``packed_block_causal_mask`` makes it there (its ``create_block_mask`` of the
+    document mask, on the device; its document ``mask_mod`` is written again here because torchtune's function takes
+    the flex path only where CUDA is available). One document per pack: the mask's tensors have the same shapes for
+    any documents.
 
     Args:
         batch_size (int): packs per batch.
