@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# overwrite_output_dir: each demo starts its run (outputs/tiny_qlora) over, so the demo also works a second time.
 demo: $(STAMP)
-	$(VENV)/bin/tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml
+	$(VENV)/bin/tune run recipes/qlora_finetune_single_device.py --config configs/tiny/qlora_single_device.yaml \
+		overwrite_output_dir=True
 	$(VENV)/bin/tune run recipes/generate.py --config configs/tiny/generation.yaml
 
 # llama.cpp for `tune-ext export gguf --type q4_k_m|q5_k_m|q6_k|q4_0|q5_0` (its quantizer) and the GGUF tests that

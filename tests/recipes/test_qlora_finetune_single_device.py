@@ -387,7 +387,12 @@ def test_resume_mid_epoch_equals_a_straight_run(runs, workdir, base):
     out = workdir / "resumed"
     common = [f"output_dir={out}", f"checkpointer.checkpoint_dir={base}", *SMALL, "dtype=fp32"]
     first = tune_run(*common, f"stop_after_step={STEPS // 2}")
-    assert "Stopped after step 3" in first.stdout + first.stderr
+    output = first.stdout + first.stderr
+    assert "Stopped after step 3 (stop_after_step=3)" in output
+    # The printed command (and the summary's) trains on to the end: stop_after_step dropped, resume set.
+    continue_command = output.split("Continue to the end with:\n  ")[1].splitlines()[0]
+    assert "resume_from_checkpoint=True" in continue_command and "stop_after_step" not in continue_command
+    assert f"continue training:   {continue_command}" in output
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(("logs", "."))) == [
         "recipe_state",
         "step_3",

@@ -11,6 +11,7 @@ One single-device run is stopped after step 2 (a resumable state after steps 1 a
 - a recipe state carrying a pickled callable: refused with a clear error, and the callable never runs;
 - a truncated newest recipe state: the previous one is used, saying so, and the losses equal an uninterrupted run;
 - a finished run: says so, with the step and the outputs' paths;
+- a ``stop_after_step`` the saved run has reached: refused before the base loads (it would train one step);
 - the tokenizer file: the same file in another folder resumes (losses equal an uninterrupted run); another
   tokenizer at the same path is refused before the base loads, naming the file and the fix.
 """
@@ -203,6 +204,18 @@ def test_the_same_tokenizer_in_another_folder_resumes(runs, tokenizer_run, tmp_p
     resumed, straight = logged(out / "logs"), logged(runs["straight"] / "logs")  # straight: the shipped file
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert max(abs(resumed[s] - straight[s]) for s in straight) < TOLERANCE, (resumed, straight)
+
+
+def test_a_stop_after_step_the_run_has_reached_is_refused_before_the_base_loads(runs, tmp_path):
+    """The stopped run's own command resumed as is would train one step and stop again: refused, naming the fix."""
+    out, args = _resume(runs, tmp_path, f"stop_after_step={STOP}")
+    before = snapshot(out)
+    rc, output = _start(args, tmp_path / "resume.log")
+    assert rc == CONFIG_ERROR_EXIT_CODE and "Traceback" not in output, output[-4000:]
+    assert f"stop_after_step={STOP}, but the run saved in " in output, output[-4000:]
+    assert f"has reached step {STOP}: resume without stop_after_step to train to the end" in output
+    assert "into NF4" not in output  # no weight was loaded
+    assert snapshot(out) == before  # nothing written
 
 
 def test_another_tokenizer_at_the_same_path_is_refused_before_the_base_loads(runs, tokenizer_run, tmp_path):

@@ -467,7 +467,8 @@ class RecipeState:
             resumes is :meth:`describe_position`, once the data is loaded).
 
         Raises:
-            ConfigError: listing every difference in what defines the run.
+            ConfigError: listing every difference in what defines the run; or if ``stop_after_step`` is one the
+                saved run has reached (it would train one step and stop again).
         """
         # Older states recorded no tokenizer files, and some tokenizer paths among the config keys compared.
         saved = {k: v for k, v in self.identity.items() if not _names_tokenizer_file(k)}
@@ -492,6 +493,7 @@ class RecipeState:
                 + "\nResume with the saved values, or start a new run in another output_dir.",
                 "resume_from_checkpoint",
             )
+        self._check_stop_after_step(run.settings.get("stop_after_step"), total_epochs)
         allowed = differences(self.settings, run.settings)
         if allowed:
             lines.append("Resuming with changed settings (allowed):\n  " + "\n  ".join(allowed))
@@ -505,6 +507,17 @@ class RecipeState:
                 f"further, raise epochs (e.g. epochs={self.epochs_run + 1}) and resume."
             )
         return lines
+
+    def _check_stop_after_step(self, stop_after_step: Optional[int], total_epochs: int) -> None:
+        """A ``stop_after_step`` the saved run has reached would train one step per resume: refused."""
+        if stop_after_step is None or self.epochs_run >= total_epochs or stop_after_step > self.global_step:
+            return
+        raise ConfigError(
+            f"stop_after_step={stop_after_step}, but the run saved in {self.source} has reached step "
+            f"{self.global_step}: resume without stop_after_step to train to the end, or with a later one (e.g. "
+            f"stop_after_step={self.global_step + stop_after_step}).",
+            "stop_after_step",
+        )
 
     @property
     def checkpoint_path(self) -> Optional[Path]:

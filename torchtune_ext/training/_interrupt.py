@@ -193,19 +193,22 @@ def launch_command() -> List[str]:
     return argv
 
 
-def resume_command(argv: Optional[Sequence[str]] = None) -> str:
+def resume_command(argv: Optional[Sequence[str]] = None, drop: Sequence[str] = ()) -> str:
     """The command that resumes this run: ``argv`` (default :func:`launch_command`) with
     ``resume_from_checkpoint=True`` set (replacing a given value, or appended) and ``overwrite_output_dir``
     dropped (it would delete what the resume needs).
 
     Args:
         argv (Optional[Sequence[str]]): the original command line.
+        drop (Sequence[str]): more config keys whose overrides are left out (e.g. ``stop_after_step``, which the
+            saved run has reached).
 
     Returns:
         str: the command, quoted for a POSIX shell.
     """
     argv = list(launch_command() if argv is None else argv)
-    keep = [arg for arg in argv if not arg.lstrip("+~").startswith(("resume_from_checkpoint=", "overwrite_output_dir"))]
+    dropped = ("resume_from_checkpoint=", "overwrite_output_dir", *(f"{key}=" for key in drop))
+    keep = [arg for arg in argv if not arg.lstrip("+~").startswith(dropped)]
     return shlex.join(keep + ["resume_from_checkpoint=True"])
 
 

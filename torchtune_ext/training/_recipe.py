@@ -269,14 +269,11 @@ class QLoRARecipe(RecipeSetup):
                     if mid_epoch and self._interrupt.requested():  # [issue 17] a signal: save this step and exit
                         pbar.close()
                         self._stop_interrupted(end_of_epoch=False)
-                    if self.settings.stop_after_step is not None and self.global_step >= self.settings.stop_after_step:
+                    if self._stop_step_reached():
                         if mid_epoch:
                             pbar.close()
                             self.save_checkpoint(end_of_epoch=False, full=False)
-                            self._info(
-                                f"Stopped after step {self.global_step} (stop_after_step); resume with "
-                                "resume_from_checkpoint=True."
-                            )
+                            self._stop_early()
                             return
                     elif (
                         self.settings.save_every_n_steps
@@ -292,10 +289,25 @@ class QLoRARecipe(RecipeSetup):
                 end_of_epoch=True,
                 full=merge_at_epoch_end(self.epochs_run, self.settings.epochs, self.settings.merge_every_epoch),
             )
-            if self.settings.stop_after_step is not None and self.global_step >= self.settings.stop_after_step:
+            if self._stop_step_reached():
+                if self.epochs_run < self.settings.epochs:
+                    self._stop_early()
                 return
             if curr_epoch + 1 < self.settings.epochs and self._interrupt.requested():  # [issue 17]
                 self._stop_interrupted(end_of_epoch=True)
+
+    def _stop_step_reached(self) -> bool:
+        return self.settings.stop_after_step is not None and self.global_step >= self.settings.stop_after_step
+
+    def _stop_early(self) -> None:
+        """``stop_after_step`` ended the run before its last epoch (the checkpoint is saved): says how to go on. The
+        command drops ``stop_after_step``, which a resume refuses once the run has reached it."""
+        self._continue_command = resume_command(drop=("stop_after_step",))
+        self._info(
+            f"Stopped after step {self.global_step} (stop_after_step={self.settings.stop_after_step}) with a "
+            f"resumable checkpoint. Continue to the end with:\n  {self._continue_command}\n(or add a later "
+            "stop_after_step to stop there again)."
+        )
 
     def _stop_interrupted(self, end_of_epoch: bool) -> None:
         """[issue 17] Saves this step as a resumable checkpoint (adapter + recipe state, no merged model; at the end
@@ -482,5 +494,6 @@ class QLoRARecipe(RecipeSetup):
             output_dir=self._checkpointer.output_dir,
             base_dir=self._checkpointer.checkpoint_dir,
             log_dir=getattr(self._metric_logger, "log_dir", None),
+            continue_command=getattr(self, "_continue_command", None),
         )
         print(summary, flush=True)

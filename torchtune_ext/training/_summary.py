@@ -25,6 +25,7 @@ def run_summary(
     output_dir: Path,
     base_dir: Path,
     log_dir: Optional[Any],
+    continue_command: Optional[str] = None,
 ) -> str:
     """What a finished run prints last (rank 0).
 
@@ -43,6 +44,8 @@ def run_summary(
         output_dir (Path): the run's output folder.
         base_dir (Path): the base checkpoint's folder.
         log_dir (Optional[Any]): the metric logger's folder, if it has one.
+        continue_command (Optional[str]): the command that trains on to the end, where ``stop_after_step`` ended
+            the run early.
 
     Returns:
         str: the lines.
@@ -69,13 +72,13 @@ def run_summary(
     if log_dir is not None:
         lines.append(f"  TensorBoard logs:    {log_dir}  (tensorboard --logdir {log_dir})")
     if checkpoint is not None:
-        lines += next_steps(base_dir, checkpoint)
+        lines += next_steps(base_dir, checkpoint, continue_command)
     return "\n".join(lines)
 
 
-def next_steps(base_dir: Path, checkpoint: Path) -> List[str]:
+def next_steps(base_dir: Path, checkpoint: Path, continue_command: Optional[str] = None) -> List[str]:
     """What a user does with a finished run, as commands (``base_dir``: the base checkpoint; ``checkpoint``: the last
-    step folder)."""
+    step folder; ``continue_command``: the command that trains on, where ``stop_after_step`` ended the run early)."""
     lines = [
         "Next:",
         f"  answer prompts:      tune-ext generate --config <model>/<size>_generation "
@@ -84,7 +87,10 @@ def next_steps(base_dir: Path, checkpoint: Path) -> List[str]:
     ]
     if not (checkpoint / "merged").is_dir():
         lines.append(f"  merge it:            {merge_command(base_dir, checkpoint)}")
-    lines.append("  train further:       the same command with resume_from_checkpoint=True and a larger epochs")
+    if continue_command is not None:
+        lines.append(f"  continue training:   {continue_command}")
+    else:
+        lines.append("  train further:       the same command with resume_from_checkpoint=True and a larger epochs")
     return lines
 
 

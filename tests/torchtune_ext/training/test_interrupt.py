@@ -136,6 +136,10 @@ def test_resume_command_sets_resume_and_drops_overwrite():
         "tune run recipes/x.py --config 'a b.yaml' epochs=2 resume_from_checkpoint=True"
     )
     assert resume_command(["python", "r.py"]) == "python r.py resume_from_checkpoint=True"
+    stopped = ["tune", "run", "r.py", "stop_after_step=120", "max_steps_per_epoch=500"]
+    assert resume_command(stopped, drop=("stop_after_step",)) == (
+        "tune run r.py max_steps_per_epoch=500 resume_from_checkpoint=True"
+    )
 
 
 def test_launch_command_shows_the_console_script(monkeypatch, tmp_path):
