@@ -164,7 +164,8 @@ def _costs(recipe: QLoRARecipe, cfg: DictConfig) -> List[str]:
         if cfg.get("dataset_val", None) is not None:
             datasets.append(build_dataset(cfg.dataset_val, tokenizer, "dataset_val"))
     except (FileNotFoundError, RuntimeError) as err:
-        lines.append(f"  data not readable yet ({str(err)[:160]}): disk counts epoch-end saves only.")
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        lines.append(f"  data not readable yet, so disk counts epoch-end saves only: {reason}")
     num_rows = len(datasets[0]) if datasets else None
     merged_dtype = dtype_or_checkpoints(settings.merged_dtype, hf_config)
     plan = disk_plan(

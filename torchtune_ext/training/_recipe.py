@@ -58,7 +58,7 @@ from torchtune_ext.training._interrupt import InterruptGuard, interrupted_messag
 from torchtune_ext.training._metrics import Throughput
 from torchtune_ext.training._rng import all_rng_states, set_rng_state
 from torchtune_ext.training._setup import RecipeSetup
-from torchtune_ext.training._summary import run_summary
+from torchtune_ext.training._summary import progress_note, run_summary
 
 log = utils.get_logger("INFO")
 
@@ -180,7 +180,8 @@ class QLoRARecipe(RecipeSetup):
         throughput: Throughput,
         num_tokens: float,
         global_tokens: float,
-    ) -> None:
+    ) -> Dict[str, float]:
+        """Logs this step's metrics (rank 0) and returns them. Collective (memory of every rank)."""
         rank_tokens_per_second = throughput.tokens_per_second()
         metrics = {
             "loss": loss,
@@ -192,6 +193,7 @@ class QLoRARecipe(RecipeSetup):
         }
         if self._is_rank_zero:
             self._metric_logger.log_dict(metrics, step=self.global_step)
+        return metrics
 
     def train(self) -> None:
         """Trains (:meth:`_train_epochs`); SIGINT or SIGTERM stop it after the current step with a resumable
@@ -208,6 +210,7 @@ class QLoRARecipe(RecipeSetup):
         if self.settings.compile:
             self._info("torch.compile is enabled: the first iterations are slow.")
         throughput = Throughput()
+        speed_and_memory = ""  # of the last logged step
         self._first_step_of_run = self.global_step + 1
         running_loss, num_tokens = 0.0, 0
         for curr_epoch in range(self.epochs_run, self.settings.epochs):
@@ -247,14 +250,16 @@ class QLoRARecipe(RecipeSetup):
                     self._steps_in_epoch_done += 1
                     loss_value = float(all_reduce_sum(running_loss)) / max(global_tokens, 1.0)
                     self.loss_history.append(loss_value)
+                    if self.global_step % self.settings.log_every_n_steps == 0:
+                        logged = self._log_step(loss_value, step_metrics, throughput, float(num_tokens), global_tokens)
+                        speed_and_memory = progress_note(logged)
+                        throughput.reset()
                     pbar.update(1)
                     pbar.set_description(
                         f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_value:.4f}"
                         + self._guard.progress()  # [issue 24]
+                        + speed_and_memory
                     )
-                    if self.global_step % self.settings.log_every_n_steps == 0:
-                        self._log_step(loss_value, step_metrics, throughput, float(num_tokens), global_tokens)
-                        throughput.reset()
                     self._guard.check_step(
                         self.global_step, loss_value, step_metrics, self._lr(), self._last_saved()
                     )  # [issue 24]

@@ -94,12 +94,27 @@ def next_steps(base_dir: Path, checkpoint: Path, continue_command: Optional[str]
     return lines
 
 
-def peak_memory_line(memory: Dict[str, float]) -> str:
-    """The largest value of each memory figure over the ranks (``name`` or ``name/rank<r>`` keys), in GiB."""
+def _max_over_ranks(memory: Dict[str, float]) -> Dict[str, float]:
+    """The largest value of each memory figure over the ranks (``name`` or ``name/rank<r>`` keys)."""
     peaks: Dict[str, float] = {}
     for key, value in memory.items():
         name = key.split("/")[0]
         peaks[name] = max(peaks.get(name, 0.0), value)
+    return peaks
+
+
+def progress_note(metrics: Dict[str, float]) -> str:
+    """What the progress bar shows after a logged step: tokens/s (all ranks) and the peak memory that bounds the run
+    (the device's allocated peak on CUDA, else the host's RSS), max over ranks, e.g. `` | 1,739 tok/s | 2.13 GiB``."""
+    peaks = _max_over_ranks(metrics)
+    memory = peaks.get("peak_memory_alloc", peaks.get("peak_rss"))
+    note = f" | {metrics['tokens_per_second']:,.0f} tok/s"
+    return note + (f" | {memory:.2f} GiB" if memory is not None else "")
+
+
+def peak_memory_line(memory: Dict[str, float]) -> str:
+    """The largest value of each memory figure over the ranks (``name`` or ``name/rank<r>`` keys), in GiB."""
+    peaks = _max_over_ranks(memory)
     parts = []
     if "peak_memory_alloc" in peaks:
         parts.append(

@@ -108,3 +108,22 @@ def test_dry_run_states_disk_and_the_kept_id_pass(tmp_path, capsys):
     report = QLoRARecipe(cfg).dry_run(cfg)
     assert "Disk: up to" in report and "2 step folder(s)" in report and "1 merged model(s)" in report
     assert "the kept-id pass reads" in report and "measured on" in report
+
+
+def test_dry_run_names_why_the_data_is_not_readable_in_full(tmp_path):
+    missing = tmp_path / "not_downloaded_yet" / "tokenizer.model"
+    cfg = OmegaConf.merge(
+        OmegaConf.load("configs/tiny/qlora_single_device.yaml"),
+        OmegaConf.from_dotlist(
+            [
+                "dry_run=True",
+                f"output_dir={tmp_path / 'out'}",
+                "checkpointer.checkpoint_dir=/nonexistent/h25",
+                f"tokenizer.path={missing}",
+            ]
+        ),
+    )
+    report = QLoRARecipe(cfg).dry_run(cfg)
+    line = next(line for line in report.splitlines() if "data not readable yet" in line)
+    # The whole reason and its fix, not cut at a fixed width (it was cut mid-word).
+    assert str(missing) in line and line.endswith("(e.g. tokenizer.path=<checkpoint_dir>/tokenizer.model)."), line

@@ -31,3 +31,17 @@ def test_throughput_counts_tokens_per_second():
     assert meter.tokens == 150 and 0 < rate <= 150 / 0.05
     meter.reset()
     assert meter.tokens == 0
+
+
+def test_progress_note_shows_tokens_per_second_and_the_bounding_peak_over_ranks():
+    from torchtune_ext.training._summary import progress_note
+
+    cpu = {"tokens_per_second": 1739.4, "peak_rss": 2.126, "rss": 2.0}
+    assert progress_note(cpu) == " | 1,739 tok/s | 2.13 GiB"
+    two_ranks = {
+        "tokens_per_second": 20000.0,
+        "peak_rss/rank0": 9.0,
+        "peak_memory_alloc/rank0": 11.5,
+        "peak_memory_alloc/rank1": 12.25,
+    }
+    assert progress_note(two_ranks) == " | 20,000 tok/s | 12.25 GiB"  # the device bounds a CUDA run
