@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 #: configs whose name contains this belong to the single-device recipe; the others to the distributed one.
 _SINGLE_DEVICE_MARK = "single_device"
@@ -47,3 +47,19 @@ def recipe_of(config_name: str) -> str:
     if "generation" in config_name:  # [issue 18]
         return GENERATION_RECIPE
     return SINGLE_DEVICE_RECIPE if _SINGLE_DEVICE_MARK in config_name else DISTRIBUTED_RECIPE
+
+
+def generation_config_for(training_config: str) -> Optional[str]:
+    """The shipped generation config for a training config's model, e.g. ``llama3_1/8B_generation`` for
+    ``configs/llama3_1/8B_qlora_single_device.yaml`` or ``llama3_1/8B_qlora``, ``tiny/generation`` for the tiny default.
+
+    Args:
+        training_config (str): the training config, as ``--config`` names it (a shipped name or a path).
+
+    Returns:
+        Optional[str]: the generation config's name, or None where none ships (e.g. a config of the user's own).
+    """
+    path = Path(training_config)
+    stem = path.name.removesuffix(".yaml")  # not Path.stem: "0.5B_qlora" has no suffix to drop
+    name = f"{path.parent.name}/{stem.split('qlora')[0]}generation"
+    return name if "qlora" in stem and name in config_files() else None

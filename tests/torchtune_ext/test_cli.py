@@ -69,3 +69,16 @@ def test_cp_then_run_by_name_outside_a_clone(tmp_path):
 def test_run_names_unknown_recipes_and_configs(tmp_path):
     result = _tune_ext("run", "no_such_recipe", "--config", "tiny/qlora_single_device", cwd=tmp_path)
     assert result.returncode != 0 and "no_such_recipe" in result.stderr and "tune-ext ls" in result.stderr
+
+
+def test_every_training_config_names_its_models_generation_config():
+    """The summary's "answer prompts" command names the generation config that ships for the model trained."""
+    from torchtune_ext._shipped import generation_config_for
+
+    assert generation_config_for("configs/llama3_1/8B_qlora_single_device.yaml") == "llama3_1/8B_generation"
+    assert generation_config_for("llama3_1/8B_qlora_2xT4") == "llama3_1/8B_generation"
+    assert generation_config_for("configs/tiny/qlora_single_device.yaml") == "tiny/generation"
+    assert generation_config_for("my_config.yaml") is None
+    assert generation_config_for("llama3_2/1B_eleuther_eval") is None
+    training = [name for name in config_files() if recipe_of(name).startswith("qlora_finetune")]
+    assert {name: generation_config_for(name) for name in training if generation_config_for(name) is None} == {}

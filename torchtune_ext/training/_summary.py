@@ -4,7 +4,9 @@ commands that use what it trained."""
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from torchtune_ext._shipped import generation_config_for
 from torchtune_ext.training._export import merge_command
+from torchtune_ext.training._interrupt import launch_command
 from torchtune_ext.training._nonfinite import NonFiniteGuard
 from torchtune_ext.training._validation import ValidationHistory
 
@@ -72,19 +74,22 @@ def run_summary(
     if log_dir is not None:
         lines.append(f"  TensorBoard logs:    {log_dir}  (tensorboard --logdir {log_dir})")
     if checkpoint is not None:
-        lines += next_steps(base_dir, checkpoint, continue_command)
+        lines += next_steps(base_dir, checkpoint, continue_command, generation_config_of_this_run())
     return "\n".join(lines)
 
 
-def next_steps(base_dir: Path, checkpoint: Path, continue_command: Optional[str] = None) -> List[str]:
+def next_steps(
+    base_dir: Path,
+    checkpoint: Path,
+    continue_command: Optional[str] = None,
+    generation_config: Optional[str] = None,
+) -> List[str]:
     """What a user does with a finished run, as commands (``base_dir``: the base checkpoint; ``checkpoint``: the last
-    step folder; ``continue_command``: the command that trains on, where ``stop_after_step`` ended the run early)."""
-    lines = [
-        "Next:",
-        f"  answer prompts:      tune-ext generate --config <model>/<size>_generation "
-        f'checkpointer.checkpoint_dir={base_dir} adapter_dir={checkpoint / "adapter"} prompt="..." '
-        "(`tune-ext ls` lists the generation configs)",
-    ]
+    step folder; ``continue_command``: the command that trains on, where ``stop_after_step`` ended the run early;
+    ``generation_config``: the shipped generation config for the model, where known)."""
+    answer = f"  answer prompts:      tune-ext generate --config {generation_config or '<model>/<size>_generation'} "
+    answer += f'checkpointer.checkpoint_dir={base_dir} adapter_dir={checkpoint / "adapter"} prompt="..."'
+    lines = ["Next:", answer + ("" if generation_config else " (`tune-ext ls` lists the generation configs)")]
     if not (checkpoint / "merged").is_dir():
         lines.append(f"  merge it:            {merge_command(base_dir, checkpoint)}")
     if continue_command is not None:
@@ -92,6 +97,14 @@ def next_steps(base_dir: Path, checkpoint: Path, continue_command: Optional[str]
     else:
         lines.append("  train further:       the same command with resume_from_checkpoint=True and a larger epochs")
     return lines
+
+
+def generation_config_of_this_run() -> Optional[str]:
+    """The shipped generation config for the model this run's ``--config`` trains, where one ships."""
+    argv = launch_command()
+    if "--config" not in argv[:-1]:
+        return None
+    return generation_config_for(argv[argv.index("--config") + 1])
 
 
 def _max_over_ranks(memory: Dict[str, float]) -> Dict[str, float]:
