@@ -6,11 +6,14 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from pathlib import Path
-from typing import Iterator, List
+from typing import TYPE_CHECKING, Iterator, List
 
 from omegaconf import DictConfig, OmegaConf
 
 from torchtune_ext._shipped import EVAL_RECIPE, GENERATION_RECIPE, SINGLE_DEVICE_RECIPE
+
+if TYPE_CHECKING:
+    import torch
 
 
 def validate(cfg: DictConfig, recipe: str = SINGLE_DEVICE_RECIPE) -> List[str]:
@@ -39,14 +42,31 @@ def validate(cfg: DictConfig, recipe: str = SINGLE_DEVICE_RECIPE) -> List[str]:
     if recipe == GENERATION_RECIPE:
         from torchtune_ext.generation import GenerationRecipe
 
-        GenerationRecipe(cfg)
-        return ["the generate recipe's settings: keys, device, tokenizer files, dtype, sampling, prompts"]
+        generation = GenerationRecipe(cfg)
+        done = ["the generate recipe's settings: keys, device, tokenizer files, dtype, sampling, prompts"]
+        return done + ([] if generation._dry_run else _check_model_and_adapter(cfg, generation._dtype))
     if recipe == EVAL_RECIPE:
         from torchtune_ext.evaluation import EleutherEvalRecipe
 
-        EleutherEvalRecipe(cfg)
-        return ["the eleuther_eval recipe's settings: keys, device, tokenizer files, dtype, tasks, folders"]
+        evaluation = EleutherEvalRecipe(cfg)
+        done = ["the eleuther_eval recipe's settings: keys, device, tokenizer files, dtype, tasks, folders"]
+        return done + ([] if evaluation._merged_dir else _check_model_and_adapter(cfg, evaluation._dtype))
     return _validate_training(cfg)
+
+
+def _check_model_and_adapter(cfg: DictConfig, dtype: torch.dtype) -> List[str]:
+    """What ``load_model_with_adapter`` checks before it reads a weight: the model on the meta device against the
+    base checkpoint's headers and the adapter's config and headers."""
+    from torchtune_ext.checkpoint import read_peft_adapter
+    from torchtune_ext.config._instantiate import instantiate_component
+    from torchtune_ext.generation import build_model_for
+
+    checkpointer = instantiate_component(cfg.checkpointer, "checkpointer")
+    adapter_dir = cfg.get("adapter_dir", None)
+    adapter = read_peft_adapter(adapter_dir) if adapter_dir is not None else None
+    build_model_for(checkpointer, adapter, cfg.get("model", None), dtype)
+    fits = f" and the adapter in {adapter_dir}" if adapter is not None else " (no adapter: the base alone)"
+    return [f"model (meta) matches the checkpoint headers in {checkpointer.checkpoint_dir}{fits}"]
 
 
 def _validate_training(cfg: DictConfig) -> List[str]:

@@ -143,10 +143,15 @@ def test_validate_refuses_bf16_on_a_t4_profile(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_validate_checks_generation_and_eval_configs_against_their_recipes(tmp_path):
-    good = _tune_ext("validate", "--config", "tiny/generation", cwd=tmp_path)
-    assert good.returncode == 0, good.stderr[-3000:]
-    assert "as a config of generate" in good.stdout
+def test_validate_checks_generation_and_eval_configs_against_their_recipes(saved_run, tmp_path):
+    """Their recipes' settings, then what loading checks before it reads a weight: the base and the adapter."""
+    no_base = _tune_ext("validate", "--config", "tiny/generation", cwd=tmp_path)
+    assert no_base.returncode == 2, no_base.stdout
+    assert "checking" in no_base.stdout and "as a config of generate" in no_base.stdout
+    assert _errors(no_base) == [
+        "tune-ext: error: checkpointer.checkpoint_dir='outputs/tiny_base' does not exist. Download the model first "
+        "(e.g. `tune download <hf-repo> --output-dir <dir>`) and point checkpointer.checkpoint_dir at it."
+    ]
     typo = _tune_ext("validate", "--config", "tiny/generation", "max_new_token=3", cwd=tmp_path)
     assert typo.returncode == 2
     assert _errors(typo) == ["tune-ext: error: unknown key 'max_new_token': did you mean 'max_new_tokens'?"]
@@ -160,6 +165,19 @@ def test_validate_checks_generation_and_eval_configs_against_their_recipes(tmp_p
     )
     assert as_training.returncode == 2 and "loss is missing" in as_training.stderr
     assert list(tmp_path.iterdir()) == []
+
+    before = _files(saved_run)
+    adapter = "adapter_dir=outputs/tiny_qlora/step_1/adapter"
+    good = _tune_ext("validate", "--config", "tiny/generation", adapter, cwd=saved_run)
+    assert good.returncode == 0, good.stderr[-3000:]
+    assert (
+        "checked: model (meta) matches the checkpoint headers in outputs/tiny_base and the adapter in "
+        "outputs/tiny_qlora/step_1/adapter"
+    ) in good.stdout
+    other_rank = _tune_ext("validate", "--config", "tiny/generation", adapter, "model.lora_rank=8", cwd=saved_run)
+    assert other_rank.returncode != 0
+    assert "rank r=16 but the model has lora_rank=8" in other_rank.stderr
+    assert _files(saved_run) == before
 
 
 def test_the_traceback_on_request(tmp_path):
