@@ -5,6 +5,8 @@ in this order; nothing is written before step 4:
     1. seed; settings and every config check that is cheap (:class:`RecipeSettings`, in ``__init__``)
     2. the model on the meta device, checked against the checkpoint's headers; tokenizer, loss, data sets
     3. data checks (labels within ``max_seq_len``, enough batches), vocab-pruning ids, the resumed recipe state
+       (steps 2-3, with the writable-folder and ``output_dir`` checks: :meth:`RecipeSetup.check_start`, which
+       ``tune-ext validate`` runs too)
     4. stale temporaries of killed writes removed, metric logger opened
     5. the model: vocab pruning (meta), trainable params, activation checkpointing, compile, sharding, the base
        streamed in and quantized (``load_base_``), adapters initialised or resumed (``init_adapters_``)
@@ -190,7 +192,7 @@ class RecipeSetup(FTRecipeInterface):
             self._setup_schedule(cfg, state)
 
     def check_start(self, cfg: DictConfig) -> Tuple[Any, Optional[Any], Optional[RecipeState]]:
-        """Steps 1-3 of the module docstring: every check before the run writes anything (``tune-ext validate`` runs
+        """Steps 2-3 of the module docstring: every check before the run writes anything (``tune-ext validate`` runs
         it too). Builds the checkpointer, the model on the meta device, the tokenizer, loss and data sets, and loads
         the recipe state to resume, if any; no weight is loaded. Writes the tiny base checkpoint where
         ``generate_base_checkpoint`` asks for it. A resumed run that had finished sets :attr:`finished`.
