@@ -7,7 +7,7 @@ package, so that a plain ``pip install`` (no clone) runs them by name::
     tune-ext run --nproc_per_node 2 qlora_finetune_distributed --config tiny/qlora_distributed
     tune-ext cp llama3_2/1B_qlora_single_device my_config.yaml   # then: tune-ext run <recipe> --config my_config.yaml
     tune-ext cp qlora_finetune_single_device my_recipe.py        # edit its step; then: tune run my_recipe.py --config
-    tune-ext validate --config llama3_2/1B_qlora_single_device dtype=fp32   # every start-up check, nothing loaded
+    tune-ext validate --config llama3_2/1B_qlora_single_device dtype=fp32   # the recipe's start-up checks, no weights
     tune-ext cat tiny/qlora_single_device                        # print a shipped config
 
 torchtune's own ``tune ls`` / ``tune cp`` / ``tune run <recipe>`` know these recipes and configs too.
@@ -112,8 +112,14 @@ def _validate(args: argparse.Namespace) -> None:
     from torchtune_ext.config import validate
 
     path = _resolve(args.config, config_files(), "config")
+    recipe = args.recipe or recipe_of(args.config[: -len(".yaml")] if args.config.endswith(".yaml") else args.config)
+    if recipe not in recipe_files():
+        raise SystemExit(
+            f"tune-ext: --recipe {recipe!r} is not a recipe of `tune-ext ls`: use one of {list(recipe_files())}."
+        )
+    print(f"checking {path} as a config of {recipe}" + ("" if args.recipe else " (--recipe to choose another)"))
     yaml_args, cli_args = TuneRecipeArgumentParser().parse_known_args(["--config", str(path), *args.overrides])
-    for line in validate(_merge_yaml_and_cli_args(yaml_args, cli_args)):
+    for line in validate(_merge_yaml_and_cli_args(yaml_args, cli_args), recipe):
         print(f"checked: {line}")
     print(f"{path}: OK")
 
@@ -145,9 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
     cp.set_defaults(func=_cp)
     _RunOurs(subparsers)
     validate = subparsers.add_parser(
-        "validate", help="Run every start-up check of a config (with overrides) without loading weights or data."
+        "validate",
+        help="Run the start-up checks of a config's recipe (with overrides): no weights loaded, nothing written.",
     )
     validate.add_argument("--config", required=True, help="a config name from `tune-ext ls` or a YAML file")
+    validate.add_argument(
+        "--recipe",
+        help="the recipe it is for, from `tune-ext ls` (default: from the config's name, as `tune-ext ls` pairs "
+        "them: *generation -> generate, *eleuther_eval -> eleuther_eval, *single_device -> "
+        "qlora_finetune_single_device, else qlora_finetune_distributed)",
+    )
     validate.add_argument("overrides", nargs="*", help="key=value overrides, as for `run`")
     validate.set_defaults(func=_validate)
     cat = subparsers.add_parser("cat", help="Print a shipped config.")

@@ -91,7 +91,9 @@ class DeviceProfile:
             major, minor = self.capability
             raise ConfigError(
                 f"dtype=bf16 with device_profile={self.name} (sm{major}{minor}): the card has no bf16 and the recipe "
-                "refuses it there. Use dtype=fp32 (same results, ~20% more memory) or dtype=fp16."
+                "refuses it there. Use dtype=fp32 (same results, ~20% more memory) or dtype=fp16, or drop "
+                "device_profile if the run is not for that card.",
+                "dtype",
             )
 
 

@@ -12,6 +12,7 @@ from torchtune.modules.peft import get_lora_module_names
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import DEFAULT_KEEP_LAST_N, MERGE_BASES, parse_keep_last_n
 from torchtune_ext.config import ConfigError
+from torchtune_ext.memory import device_profile
 from torchtune_ext.modules.vocab_pruning import VocabPruning, parse_vocab_pruning
 from torchtune_ext.training._activations import check_activation_offloading
 from torchtune_ext.training._precision import default_adapter_dtype
@@ -115,10 +116,19 @@ class RecipeSettings:
             ConfigError: on a non-positive count, an unknown ``merge_base`` or ``vocab_pruning`` setting.
             ValueError: on an unknown dtype, or ``enable_activation_offloading`` off CUDA.
             RuntimeError: on bf16 where the device does not support it.
+            ConfigError: on bf16 where ``device_profile`` (or ``compute_capability``) names a card without it, or an
+                unknown profile, in a dry run and a real run alike.
         """
         dry_run = bool(cfg.get("dry_run", False))
         device = torch.device(cfg.device) if dry_run else utils.get_device(device=cfg.device)
         dtype = parse_dtype(cfg.get("dtype", "fp32"), None if dry_run else device)
+        # the card the config is for (device_profile, or device_memory_gb + compute_capability): its limits apply to
+        # the run as to its dry run
+        profile = device_profile(
+            cfg.get("device_profile", None), cfg.get("device_memory_gb", None), cfg.get("compute_capability", None)
+        )
+        if profile is not None:
+            profile.check_dtype(dtype)
         adapter_dtype = default_adapter_dtype(dtype, cfg.get("adapter_dtype", None))
         batch_size = positive_int(cfg, "batch_size", 1)
         counts = {

@@ -5,6 +5,8 @@ in this order; nothing is written before step 4:
     1. seed; settings and every config check that is cheap (:class:`RecipeSettings`, in ``__init__``)
     2. the model on the meta device, checked against the checkpoint's headers; tokenizer, loss, data sets
     3. data checks (labels within ``max_seq_len``, enough batches), vocab-pruning ids, the resumed recipe state
+       (steps 2-3, with the writable-folder and ``output_dir`` checks: :meth:`RecipeSetup.check_start`, which
+       ``tune-ext validate`` runs too)
     4. stale temporaries of killed writes removed, metric logger opened
     5. the model: vocab pruning (meta), trainable params, activation checkpointing, compile, sharding, the base
        streamed in and quantized (``load_base_``), adapters initialised or resumed (``init_adapters_``)
@@ -159,34 +161,9 @@ class RecipeSetup(FTRecipeInterface):
         saying so (:attr:`finished`), before the base weights load. SIGINT/SIGTERM stop it at once (exit 128 +
         signal, nothing trained or saved). Collective on several ranks."""
         with InterruptGuard(save=False):  # [issue 17] a signal while setting up stops the run at once
-            check_run_folders(cfg)  # [issue 24] every folder the run writes is writable, before anything is written
-            self._set_seed(cfg)
-            # [issue 17] a busy output_dir, or one holding another run's checkpoints, is refused before any write
-            check_output_dir(
-                cfg.checkpointer.output_dir, self.settings.resume_from_checkpoint, self.settings.overwrite_output_dir
-            )
-            self._generate_base_checkpoint(cfg)
-            dataset, val_dataset = self._build_components(cfg)
-            settings = self.settings
-            check_data(
-                dataset,
-                val_dataset,
-                settings.max_seq_len,
-                self._loss_fn.ignore_index,
-                settings.batch_size,
-                settings.gradient_accumulation_steps,
-                self.world_size,
-            )
-            if self.settings.vocab_pruning is not None:
-                self._resolve_kept_ids(dataset, val_dataset)
-            self._run = self._run_identity(cfg, dataset)  # [issue 24] what a resume must match
-            state = self._checkpointer.load_recipe_state() if self.settings.resume_from_checkpoint else None
-            if state is not None:
-                self._check_recipe_state(state)
-                if self.epochs_run >= self.settings.epochs:  # [issue 24] said so (step, outputs); no load, no write
-                    self.finished = True
-                    return
-            self._saved_log_dir = state.metric_log_dir if state is not None else None  # [issue 17]
+            dataset, val_dataset, state = self.check_start(cfg)
+            if self.finished:
+                return
 
             loss_scaler = DistributedLossScaler if self.world_size > 1 else LossScaler
             self._loss_scaler = loss_scaler(
@@ -213,6 +190,47 @@ class RecipeSetup(FTRecipeInterface):
             self._setup_loss()
             self._setup_dataloaders(cfg, dataset, val_dataset)
             self._setup_schedule(cfg, state)
+
+    def check_start(self, cfg: DictConfig) -> Tuple[Any, Optional[Any], Optional[RecipeState]]:
+        """Steps 2-3 of the module docstring: every check before the run writes anything (``tune-ext validate`` runs
+        it too). Builds the checkpointer, the model on the meta device, the tokenizer, loss and data sets, and loads
+        the recipe state to resume, if any; no weight is loaded. Writes the tiny base checkpoint where
+        ``generate_base_checkpoint`` asks for it. A resumed run that had finished sets :attr:`finished`.
+
+        Returns:
+            Tuple[Any, Optional[Any], Optional[RecipeState]]: the training and validation data sets, and the recipe
+            state to resume from (None for a new run).
+
+        Raises:
+            ConfigError: on the first failing check, naming the key and the fix.
+        """
+        check_run_folders(cfg)  # [issue 24] every folder the run writes is writable, before anything is written
+        self._set_seed(cfg)
+        # [issue 17] a busy output_dir, or one holding another run's checkpoints, is refused before any write
+        check_output_dir(
+            cfg.checkpointer.output_dir, self.settings.resume_from_checkpoint, self.settings.overwrite_output_dir
+        )
+        self._generate_base_checkpoint(cfg)
+        dataset, val_dataset = self._build_components(cfg)
+        settings = self.settings
+        check_data(
+            dataset,
+            val_dataset,
+            settings.max_seq_len,
+            self._loss_fn.ignore_index,
+            settings.batch_size,
+            settings.gradient_accumulation_steps,
+            self.world_size,
+        )
+        if self.settings.vocab_pruning is not None:
+            self._resolve_kept_ids(dataset, val_dataset)
+        self._run = self._run_identity(cfg, dataset)  # [issue 24] what a resume must match
+        state = self._checkpointer.load_recipe_state() if self.settings.resume_from_checkpoint else None
+        if state is not None:
+            self._check_recipe_state(state)
+            self.finished = self.epochs_run >= self.settings.epochs  # [issue 24] said so (step, outputs)
+        self._saved_log_dir = state.metric_log_dir if state is not None else None  # [issue 17]
+        return dataset, val_dataset, state
 
     def _set_seed(self, cfg: DictConfig) -> None:
         """The config's seed (torchtune's ``set_seed`` agrees on it across ranks), with the same streams on every

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -67,6 +67,117 @@ def test_validate_names_the_tokenizer_file_with_its_subfolder(tmp_path):
     (line,) = result.stderr.splitlines()
     assert line.startswith("tune-ext: error: tokenizer.path='/tmp/Llama-3.2-1B-Instruct/original/tokenizer.model'")
     assert line.endswith("(e.g. tokenizer.path=<checkpoint_dir>/original/tokenizer.model).")
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """A folder where the tiny run saved a resumable checkpoint (step 1) in its default output_dir."""
+    folder = tmp_path_factory.mktemp("saved_run")
+    overrides = ("stop_after_step=1", "max_steps_per_epoch=2", "run_val_every_n_steps=null")
+    result = _tune_ext(
+        "run", "qlora_finetune_single_device", "--config", "tiny/qlora_single_device", *overrides, cwd=folder
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (folder / "outputs/tiny_qlora/recipe_state/recipe_state.pt").is_file()
+    return folder
+
+
+def _files(folder: Path) -> Dict[str, Tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def _errors(result: subprocess.CompletedProcess) -> List[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("tune-ext: error:")]
+
+
+def test_validate_refuses_an_output_dir_holding_another_runs_checkpoints(saved_run):
+    before = _files(saved_run)
+    result = _tune_ext(*VALIDATE_TINY, cwd=saved_run)
+    assert result.returncode == 2, result.stdout
+    assert _errors(result) == [
+        "tune-ext: error: output_dir='outputs/tiny_qlora' holds another run's checkpoints "
+        "(recipe_state/recipe_state.pt, step_1). Continue that run with resume_from_checkpoint=True, replace it "
+        "with overwrite_output_dir=True (deletes them), or set another output_dir."
+    ]
+    assert _files(saved_run) == before
+
+
+def test_validate_refuses_a_resume_with_nothing_to_resume(saved_run, tmp_path):
+    before = _files(saved_run)
+    fresh = tmp_path / "fresh"
+    result = _tune_ext(*VALIDATE_TINY, f"output_dir={fresh}", "resume_from_checkpoint=True", cwd=saved_run)
+    assert result.returncode == 2, result.stdout
+    assert _errors(result) == [
+        f"tune-ext: error: resume_from_checkpoint=True but {fresh}/recipe_state/recipe_state.pt does not exist: resume "
+        "with the same output_dir as the interrupted run, or set checkpointer.recipe_checkpoint to its recipe_state.pt."
+    ]
+    assert not fresh.exists() and _files(saved_run) == before
+
+
+def test_validate_checks_a_resume_against_the_saved_run(saved_run):
+    before = _files(saved_run)
+    changed = _tune_ext(*VALIDATE_TINY, "resume_from_checkpoint=True", "model.lora_rank=8", cwd=saved_run)
+    assert changed.returncode == 2, changed.stdout
+    assert _errors(changed) == [
+        "tune-ext: error: resume_from_checkpoint=True, but this run is not the one saved in "
+        "outputs/tiny_qlora/recipe_state/recipe_state.pt (step 1); it differs in what defines the run:",
+        "tune-ext: error:   model.lora_rank: 16 -> 8",
+        "tune-ext: error: Resume with the saved values, or start a new run in another output_dir.",
+    ]
+    same = _tune_ext(*VALIDATE_TINY, "resume_from_checkpoint=True", cwd=saved_run)
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert "checked: resume: outputs/tiny_qlora/recipe_state/recipe_state.pt (step 1) is this run's" in same.stdout
+    assert _files(saved_run) == before
+
+
+def test_validate_refuses_bf16_on_a_t4_profile(tmp_path):
+    """The profile names the card the config is for: the run refuses bf16 there as its dry run does."""
+    for dry_run in ("dry_run=False", "dry_run=True"):
+        result = _tune_ext(*VALIDATE_TINY, "dtype=bf16", "device_profile=t4", dry_run, cwd=tmp_path)
+        assert result.returncode == 2, result.stdout
+        assert _errors(result) == [
+            "tune-ext: error: dtype=bf16 with device_profile=t4 (sm75): the card has no bf16 and the recipe refuses it "
+            "there. Use dtype=fp32 (same results, ~20% more memory) or dtype=fp16, or drop device_profile if the run "
+            "is not for that card."
+        ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_validate_checks_generation_and_eval_configs_against_their_recipes(saved_run, tmp_path):
+    """Their recipes' settings, then what loading checks before it reads a weight: the base and the adapter."""
+    no_base = _tune_ext("validate", "--config", "tiny/generation", cwd=tmp_path)
+    assert no_base.returncode == 2, no_base.stdout
+    assert "checking" in no_base.stdout and "as a config of generate" in no_base.stdout
+    assert _errors(no_base) == [
+        "tune-ext: error: checkpointer.checkpoint_dir='outputs/tiny_base' does not exist. Download the model first "
+        "(e.g. `tune download <hf-repo> --output-dir <dir>`) and point checkpointer.checkpoint_dir at it."
+    ]
+    typo = _tune_ext("validate", "--config", "tiny/generation", "max_new_token=3", cwd=tmp_path)
+    assert typo.returncode == 2
+    assert _errors(typo) == ["tune-ext: error: unknown key 'max_new_token': did you mean 'max_new_tokens'?"]
+    tasks = _tune_ext("validate", "--config", "tiny/eleuther_eval", cwd=tmp_path)
+    assert tasks.returncode == 2
+    assert _errors(tasks) == [
+        "tune-ext: error: tasks must be set: the config leaves it to the command line (tasks=...)"
+    ]
+    as_training = _tune_ext(
+        "validate", "--recipe", "qlora_finetune_single_device", "--config", "tiny/generation", cwd=tmp_path
+    )
+    assert as_training.returncode == 2 and "loss is missing" in as_training.stderr
+    assert list(tmp_path.iterdir()) == []
+
+    before = _files(saved_run)
+    adapter = "adapter_dir=outputs/tiny_qlora/step_1/adapter"
+    good = _tune_ext("validate", "--config", "tiny/generation", adapter, cwd=saved_run)
+    assert good.returncode == 0, good.stderr[-3000:]
+    assert (
+        "checked: model (meta) matches the checkpoint headers in outputs/tiny_base and the adapter in "
+        "outputs/tiny_qlora/step_1/adapter"
+    ) in good.stdout
+    other_rank = _tune_ext("validate", "--config", "tiny/generation", adapter, "model.lora_rank=8", cwd=saved_run)
+    assert other_rank.returncode != 0
+    assert "rank r=16 but the model has lora_rank=8" in other_rank.stderr
+    assert _files(saved_run) == before
 
 
 def test_the_traceback_on_request(tmp_path):

@@ -26,11 +26,11 @@ from torchtune_ext.training import QLoRARecipe
 
 
 def test_t4_profile_refuses_bf16_before_any_estimate(monkeypatch):
-    cfg = _cfg("dtype=bf16", "device_profile=t4")
-    recipe = QLoRARecipe(cfg)
+    """The recipe's settings refuse it (a dry run and a real run alike), before any estimate."""
     monkeypatch.setattr(QLoRARecipe, "memory_estimator", lambda *a: pytest.fail("estimated before refusing bf16"))
-    with pytest.raises(ConfigError, match="bf16.*t4"):
-        recipe.dry_run(cfg)
+    for dry_run in (True, False):
+        with pytest.raises(ConfigError, match="bf16.*t4"):
+            QLoRARecipe(_cfg("dtype=bf16", "device_profile=t4", f"dry_run={dry_run}"))
 
 
 @pytest.mark.parametrize(
