@@ -50,8 +50,11 @@ def _under_launcher() -> bool:
 
 
 def _say(message: str) -> None:
-    """Writes to stderr without Python's buffered streams (safe inside a signal handler)."""
-    os.write(2, ("\n" + message + "\n").encode())  # on a line of its own: a progress bar may hold the cursor
+    """Writes to stderr without Python's buffered streams (safe inside a signal handler); on several ranks, each
+    rank's line says which rank it is (a Ctrl-C reaches every rank)."""
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    prefix = f"[rank {os.environ.get('RANK', '?')}] " if ranks > 1 else ""
+    os.write(2, ("\n" + prefix + message + "\n").encode())  # on a line of its own: a progress bar may hold the cursor
 
 
 class InterruptGuard:

@@ -166,3 +166,15 @@ def test_tensorboard_run_folder_continued(tmp_path):
     assert continued_metric_logger(moved, str(saved)) == moved  # the user chose another log_dir
     disk = OmegaConf.create({"_component_": "torchtune.training.metric_logging.DiskLogger", "log_dir": str(logs)})
     assert continued_metric_logger(disk, str(saved)) == disk
+
+
+def test_each_ranks_line_names_its_rank(monkeypatch, capfd):
+    from torchtune_ext.training._interrupt import _say
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    _say("SIGINT received: finishing the current step")
+    assert capfd.readouterr().err == "\nSIGINT received: finishing the current step\n"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    _say("SIGINT received: finishing the current step")
+    assert capfd.readouterr().err == "\n[rank 1] SIGINT received: finishing the current step\n"
