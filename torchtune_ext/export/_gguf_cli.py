@@ -37,4 +37,8 @@ def _export_gguf(args: argparse.Namespace) -> None:
         path = export_gguf(args.model, args.output, args.type, args.tokenizer)
     except ImportError as e:  # a missing extra: the install command
         raise SystemExit(f"tune-ext export gguf: {e}") from e
-    print(f"Wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {args.type})")
+    print(
+        f"Wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {args.type})\nNext:\n"
+        f'  llama.cpp: llama-cli -m {path} -p "..."\n'
+        f"  Ollama:    a Modelfile with FROM {path.resolve()}, then ollama create <name> -f Modelfile (docs/gguf.md)"
+    )
