@@ -19,10 +19,11 @@ from torchtune import config
 
 from torchtune_ext.config import exit_on_config_error
 from torchtune_ext.evaluation import run_eleuther_eval
+from torchtune_ext.generation import parse
 
 
 @exit_on_config_error("eleuther_eval")  # [issue 17] a config error: one line, exit code 2
-@config.parse
+@parse  # torchtune's config.parse, with overrides whose value holds "=" (prompt="2+2=?")
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/eleuther_eval.py --config <yaml> [key=value ...]``."""
     config.log_config(recipe_name="EleutherEvalRecipe", cfg=cfg)

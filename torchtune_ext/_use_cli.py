@@ -79,4 +79,10 @@ def _merge(args: argparse.Namespace) -> None:
         compute_dtype=args.compute_dtype,
         max_shard_size_mb=args.max_shard_size_mb,
     )
-    print(f"Merged model written to {output}")
+    print(
+        f"Merged model written to {output}\nNext:\n"
+        f'  generate:             transformers.pipeline("text-generation", model={str(output)!r})\n'
+        f"  evaluate:             tune-ext run eleuther_eval --config <model>/<size>_eleuther_eval merged_dir={output} "
+        "tasks=[...]\n"
+        f"  llama.cpp / Ollama:   tune-ext export gguf --model {output} --output {output}.gguf"
+    )

@@ -10,7 +10,8 @@ package, so that a plain ``pip install`` (no clone) runs them by name::
     tune-ext validate --config llama3_2/1B_qlora_single_device dtype=fp32   # the recipe's start-up checks, no weights
     tune-ext cat tiny/qlora_single_device                        # print a shipped config
 
-torchtune's own ``tune ls`` / ``tune cp`` / ``tune run <recipe>`` know these recipes and configs too.
+torchtune's own ``tune ls`` / ``tune cp`` / ``tune run <recipe>`` know the training recipes and configs too; not
+``generate`` and ``eleuther_eval``, which are torchtune's own recipes' names there (``tune-ext run`` them).
 
 ``run`` takes torchrun's flags before the recipe, as ``tune run`` does (``--nproc_per_node``, ``--nnodes``,
 ``--rdzv_endpoint``, ...); recipes and configs are names from ``tune-ext ls`` or paths to files.

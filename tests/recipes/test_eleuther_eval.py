@@ -155,3 +155,27 @@ def test_configs_belong_to_the_recipe_and_bad_settings_fail_first():
             bad.tasks = []
         with pytest.raises(ValueError, match=message):
             EleutherEvalRecipe(bad)
+
+
+def test_a_misspelt_task_prints_one_line_and_exits_2_before_loading(tmp_path):
+    """Before: the model loaded, then lm-eval raised a KeyError (a traceback, exit code 1)."""
+    _write_task(tmp_path / "tasks")
+    written = tmp_path / "results.json"
+    result = subprocess.run(
+        [str(TUNE), "run", "recipes/eleuther_eval.py", "--config", "configs/tiny/eleuther_eval.yaml"]
+        + [f"checkpointer.checkpoint_dir={tmp_path / 'base'}", "adapter_dir=null", f"output_file={written}"]
+        + ["tasks=[tiny_choise]", f"include_path={tmp_path / 'tasks'}"],
+        cwd=REPO,
+        env={**os.environ, **OFFLINE},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output, output[-4000:]
+    errors = [line for line in output.splitlines() if line.startswith("eleuther_eval: error: ")]
+    assert errors == [
+        "eleuther_eval: error: tasks: 'tiny_choise' is not an lm-eval task, group or tag: did you mean 'tiny_choice' "
+        "or 'multiple_choice'?"
+    ], output[-4000:]
+    assert "Loaded" not in output and not written.exists() and not (tmp_path / "base").exists()

@@ -111,12 +111,12 @@ def test_generate_recipe_answers_the_held_out_prompts(trained):
 def test_tune_ext_generate_with_a_prompts_file_and_a_dry_run(trained, capsys):
     tmp, _ = trained
     prompts = tmp / "prompts.jsonl"
-    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Reverse: abc"}]}) + "\n")
+    messages = [{"role": "user", "content": "Reverse: abc"}]
+    prompts.write_text(json.dumps({"messages": messages}) + "\n")
     overrides = [
         f"checkpointer.checkpoint_dir={tmp / 'base'}",
         f"adapter_dir={tmp / 'out' / f'step_{STEPS}' / 'adapter'}",
-        "prompts=null",
-        f"prompts_file={prompts}",
+        f"prompts_file={prompts}",  # replaces the config's prompts (before: added to them)
         f"answers_file={tmp / 'cli.jsonl'}",
         "temperature=0.8",
         "top_p=0.9",
@@ -124,10 +124,14 @@ def test_tune_ext_generate_with_a_prompts_file_and_a_dry_run(trained, capsys):
     ]
     main(["generate", "--config", str(CONFIGS / "tiny" / "generation.yaml"), *overrides])
     first = (tmp / "cli.jsonl").read_text()
+    assert [json.loads(line)["prompt"] for line in first.splitlines()] == [messages]
     main(["generate", "--config", str(CONFIGS / "tiny" / "generation.yaml"), *overrides])
     assert (tmp / "cli.jsonl").read_text() == first  # seeded sampling
     main(["generate", "--config", str(CONFIGS / "tiny" / "generation.yaml"), "dry_run=True", "max_seq_len=256"])
     assert "KV cache at 256 tokens" in capsys.readouterr().out
+    # a shipped config leaves adapter_dir to the command line: the dry run (the config's LoRA shape) needs none
+    main(["generate", "--config", "llama3_2/1B_generation", "dry_run=True", "dtype=fp16"])
+    assert "KV cache at 4096 tokens 0.125 GiB" in capsys.readouterr().out
     # a command-line prompt with ": " (YAML reads a mapping) is the prompt's text; it replaces the default prompts
     main(["generate", "--config", str(CONFIGS / "tiny" / "generation.yaml"), *overrides[:2], "prompt=Reverse: abcd"])
     out = capsys.readouterr().out
@@ -143,8 +147,28 @@ def test_missing_adapter_fails_before_loading_naming_it(trained):
         f"adapter_dir={tmp / 'nowhere'}",
         check=False,
     )
-    assert result.returncode != 0
-    assert f"{tmp / 'nowhere'} not found" in result.stderr and "Loaded" not in result.stdout
+    assert result.returncode == 2 and "Traceback" not in result.stderr  # before: a traceback, exit code 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("generate: error: ")]
+    assert errors == [
+        f"generate: error: adapter_dir='{tmp / 'nowhere'}' is not a folder; set adapter_dir to an adapter folder "
+        "(adapter_config.json + adapter_model.safetensors: a training run writes them to "
+        "<output_dir>/step_<N>/adapter)."
+    ]
+    assert "Loaded" not in result.stdout
+
+
+def test_a_command_line_prompt_may_hold_an_equals_sign(trained):
+    """Before: torchtune's override parser refused it ("Command-line overrides must be in the form of key=value")."""
+    tmp, _ = trained
+    result = _tune(
+        "recipes/generate.py",
+        "configs/tiny/generation.yaml",
+        f"checkpointer.checkpoint_dir={tmp / 'base'}",
+        f"adapter_dir={tmp / 'out' / f'step_{STEPS}' / 'adapter'}",
+        "prompt=What is 2+2=?",
+        "max_new_tokens=2",
+    )
+    assert ">>> What is 2+2=?" in result.stdout and "1 answer(s)" in result.stdout
 
 
 SHIPPED = {

@@ -640,14 +640,34 @@ def test_a_used_output_dir_prints_one_line_and_exits_2(inputs, tmp_path, flags, 
         ("eleuther_eval", [], "tasks must be set: the config leaves it to the command line (tasks=...)"),
         ("eleuther_eval", ["tasks=[x]", f"device={ABSENT_DEVICE}"], f"device='{ABSENT_DEVICE}' is not available"),
         ("eleuther_eval", ["tasks=[x]", "include_path=/no/such/tasks"], "include_path=/no/such/tasks is not a folder"),
+        # before: each a traceback and exit code 1 ({trained}: a training run's output folder)
+        ("generate", ["adapter_dir={trained}/nowhere"], "adapter_dir='{trained}/nowhere' is not a folder; set "
+         "adapter_dir to an adapter folder (adapter_config.json + adapter_model.safetensors: a training run writes"),
+        ("generate", ["adapter_dir={trained}/step_1"], "adapter_dir='{trained}/step_1' is a checkpoint folder, not "
+         "its adapter; set adapter_dir='{trained}/step_1/adapter'."),
+        ("generate", ["adapter_dir={trained}/step_1/adapter", "model.lora_rank=8"], "adapter_dir='{trained}/step_1/"
+         "adapter': the adapter does not fit the model (adapter_config.json names base model"),
+        ("generate", ["prompts_file={trained}/nonexist.jsonl"], "prompts_file='{trained}/nonexist.jsonl' is not a "
+         "file; set prompts_file to a JSONL file"),
+        ("generate", ["temperature=-1"], "temperature=-1 must be a number >= 0; 0: greedy, e.g. 0.7: sampled"),
+        ("generate", ["max_new_tokens=0"], "max_new_tokens=0 must be a positive integer; e.g. 128"),
+        ("generate", ["top_p=1.5"], "top_p=1.5 must be in (0, 1] or null; e.g. 0.9"),
+        ("eleuther_eval", ["tasks=[arc_easy]", "adapter_dir={trained}/nowhere"], "adapter_dir='{trained}/nowhere' "
+         "is not a folder; set adapter_dir to an adapter folder"),
+        ("eleuther_eval", ["tasks=[arc_easy]", "merged_dir={trained}"], "merged_dir='{trained}' has no config.json; "
+         "merged_dir must be an HF-format model folder"),
     ],
     ids=[
         "generate-typo_in_a_key", "generate-typo_in_a_section_key", "generate-device_not_there",
         "eval-typo_in_a_key", "eval-tasks_not_set", "eval-device_not_there", "eval-missing_include_path",
+        "generate-missing_adapter", "generate-adapter_s_step_folder", "generate-adapter_does_not_fit",
+        "generate-missing_prompts_file", "generate-negative_temperature", "generate-no_new_tokens",
+        "generate-top_p_above_1", "eval-missing_adapter", "eval-merged_dir_not_a_model",
     ],
 )  # fmt: skip
 def test_use_recipe_config_errors_print_one_line_and_exit_2(inputs, tmp_path, recipe, overrides, line):
     """The generation and evaluation recipes check their config before they load anything, as training does."""
+    overrides, line = [o.format(trained=inputs["trained"]) for o in overrides], line.format(trained=inputs["trained"])
     full_env = {**{k: v for k, v in os.environ.items() if k != TRACEBACK_ENV}, "OMP_NUM_THREADS": "1"}
     config = REPO / "configs" / "tiny" / ("generation.yaml" if recipe == "generate" else "eleuther_eval.yaml")
     written = tmp_path / "written.json"
@@ -660,7 +680,7 @@ def test_use_recipe_config_errors_print_one_line_and_exit_2(inputs, tmp_path, re
     assert "Traceback" not in output, output[-4000:]
     errors = [error for error in output.splitlines() if error.startswith(f"{recipe}: error: ")]
     assert len(errors) == 1 and line in errors[0], output[-4000:]
-    assert not written.exists()
+    assert not written.exists() and "Loaded" not in output
 
 
 @pytest.mark.distributed

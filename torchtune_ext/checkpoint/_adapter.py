@@ -17,6 +17,7 @@ from torchtune.modules.peft import get_adapter_params
 from torchtune_ext.checkpoint import _safetensors
 from torchtune_ext.checkpoint._hf import HFConverter, peft_adapter_config
 from torchtune_ext.checkpoint._phi3 import FUSED
+from torchtune_ext.config import ConfigError, ConfigFileNotFoundError
 
 PathLike = Union[str, Path]
 ADAPTER_CONFIG = "adapter_config.json"
@@ -45,11 +46,13 @@ class PeftAdapter:
         folder (Path): the folder.
         config (Dict[str, Any]): ``adapter_config.json``.
         header (Dict[str, Dict]): ``adapter_model.safetensors``'s header.
+        key (str): the config key or command-line flag that gave the folder, named in errors.
     """
 
     folder: Path
     config: Dict[str, Any]
     header: Dict[str, Dict]
+    key: str = "adapter_dir"
 
     @property
     def weights_path(self) -> Path:
@@ -99,40 +102,56 @@ class PeftAdapter:
         return {name: [int(i) for i in ids] for name, ids in indices.items()}
 
 
-def read_peft_adapter(folder: PathLike) -> PeftAdapter:
+def read_peft_adapter(folder: PathLike, key: str = "adapter_dir") -> PeftAdapter:
     """Reads a PEFT LoRA adapter folder's config and weights header, rejecting what this loader cannot apply.
 
     Args:
         folder (PathLike): a folder with ``adapter_config.json`` and ``adapter_model.safetensors``.
+        key (str): the config key or command-line flag that gave the folder (``adapter_dir``, ``--adapter``), named
+            in errors.
 
     Returns:
         PeftAdapter: the adapter.
 
     Raises:
-        FileNotFoundError: naming the missing folder or file.
-        ValueError: naming the file and the unsupported setting (not LoRA, rsLoRA, per-module ranks other than on
-            Phi's fused modules at the others' scale, biases, ``modules_to_save``, regex ``target_modules``) or a
-            truncated file.
+        ConfigFileNotFoundError: naming ``key``, the missing folder or file and the fix (a checkpoint's step folder:
+            its ``adapter/`` folder).
+        ConfigError: naming the file and the unsupported setting (not LoRA, rsLoRA, per-module ranks other than on
+            Phi's fused modules at the others' scale, biases, ``modules_to_save``, regex ``target_modules``).
+        ValueError: on a truncated file.
     """
     folder = Path(folder)
     config_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
-    for path in (folder, config_path, weights_path):
+    where = "a training run writes them to <output_dir>/step_<N>/adapter"
+    if not folder.is_dir():
+        raise ConfigFileNotFoundError(
+            f"{key}={str(folder)!r} is not a folder; set {key} to an adapter folder ({ADAPTER_CONFIG} + "
+            f"{ADAPTER_WEIGHTS}: {where}).",
+            key,
+        )
+    if not config_path.exists() and (folder / "adapter" / ADAPTER_CONFIG).is_file():
+        raise ConfigFileNotFoundError(
+            f"{key}={str(folder)!r} is a checkpoint folder, not its adapter; set {key}={str(folder / 'adapter')!r}.",
+            key,
+        )
+    for path in (config_path, weights_path):
         if not path.exists():
             hint = (
                 " (a .bin adapter: load it with peft and save it again with safe_serialization=True)"
                 if (folder / "adapter_model.bin").is_file()
                 else ""
             )
-            raise FileNotFoundError(
-                f"Adapter {path} not found{hint}: the adapter folder must hold {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} "
-                "(a training run writes them to <output_dir>/step_<N>/adapter)."
+            raise ConfigFileNotFoundError(
+                f"{key}={str(folder)!r}: {path} not found{hint}; the adapter folder must hold {ADAPTER_CONFIG} and "
+                f"{ADAPTER_WEIGHTS} ({where}).",
+                key,
             )
     config = json.loads(config_path.read_text())
-    _check_supported(config, config_path)
-    return PeftAdapter(folder, config, _safetensors.check_complete(weights_path))
+    _check_supported(config, config_path, key)
+    return PeftAdapter(folder, config, _safetensors.check_complete(weights_path), key)
 
 
-def _check_supported(config: Dict[str, Any], path: Path) -> None:
+def _check_supported(config: Dict[str, Any], path: Path, key: str) -> None:
     problems = []
     if config.get("peft_type", "LORA") != "LORA":
         problems.append(f"peft_type={config.get('peft_type')!r} (only LORA)")
@@ -154,7 +173,9 @@ def _check_supported(config: Dict[str, Any], path: Path) -> None:
             problems.append(f"{key}={config[key]!r}")
     problems += _pattern_problems(config)
     if problems:
-        raise ValueError(f"{path}: this adapter uses settings the loader does not support: " + "; ".join(problems))
+        raise ConfigError(
+            f"{key}: {path}: this adapter uses settings the loader does not support: " + "; ".join(problems), key
+        )
 
 
 def _pattern_problems(config: Dict[str, Any]) -> List[str]:
@@ -183,7 +204,7 @@ def check_adapter_fits(adapter: PeftAdapter, model: nn.Module, converter: HFConv
         converter (HFConverter): the model's HF converter.
 
     Raises:
-        ValueError: naming the adapter's file and every mismatch.
+        ConfigError: naming the adapter's key (:attr:`PeftAdapter.key`) and folder, and every mismatch.
     """
     expected = {k: tuple(v.shape) for k, v in get_adapter_params(model).items()}
     model_targets = tuple(sorted({k.split(".")[-3] for k in expected if ".lora_" in k}))
@@ -206,11 +227,13 @@ def check_adapter_fits(adapter: PeftAdapter, model: nn.Module, converter: HFConv
         problems = _shape_problems(adapter, expected, converter)
     if problems:
         base = adapter.config.get("base_model_name_or_path")
-        raise ValueError(
-            f"The adapter in {adapter.folder} does not fit the model ({ADAPTER_CONFIG} names base model {base!r}): "
+        raise ConfigError(
+            f"{adapter.key}={str(adapter.folder)!r}: the adapter does not fit the model ({ADAPTER_CONFIG} names base "
+            f"model {base!r}): "
             + "; ".join(problems[:8])
             + ". Use the adapter with the base model and LoRA settings (model: lora_rank, lora_alpha, "
-            "lora_attn_modules, apply_lora_to_mlp, use_dora) it was trained with."
+            "lora_attn_modules, apply_lora_to_mlp, use_dora) it was trained with.",
+            adapter.key,
         )
 
 

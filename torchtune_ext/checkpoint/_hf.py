@@ -25,6 +25,7 @@ from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune
 
 from torchtune_ext.checkpoint import _gemma2, _qwen3, _safetensors
 from torchtune_ext.checkpoint._writes import writing
+from torchtune_ext.config import ConfigFileNotFoundError
 
 #: the index of a sharded safetensors checkpoint.
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -508,22 +509,25 @@ llama3_2_hf_config = partial(decoder_hf_config, "llama")
 qwen2_hf_config = partial(decoder_hf_config, "qwen2")
 
 
-def read_hf_config(checkpoint_dir: Path) -> Dict[str, Any]:
+def read_hf_config(checkpoint_dir: Path, key: str = "checkpointer.checkpoint_dir") -> Dict[str, Any]:
     """Reads ``config.json`` from an HF checkpoint folder.
 
     Args:
         checkpoint_dir (Path): the folder.
+        key (str): the config key or command-line flag that gave the folder, named in errors.
 
     Returns:
         Dict[str, Any]: the config.
 
     Raises:
-        FileNotFoundError: if there is no ``config.json``.
+        ConfigFileNotFoundError: naming ``key`` if the folder or its ``config.json`` is missing.
     """
     path = Path(checkpoint_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: checkpointer.checkpoint_dir must be an HF-format model folder (config.json + "
-            "*.safetensors), e.g. from `tune download <repo> --output-dir <dir>`."
+        missing = "is not a folder" if not path.parent.is_dir() else "has no config.json"
+        raise ConfigFileNotFoundError(
+            f"{key}={str(checkpoint_dir)!r} {missing}; {key} must be an HF-format model folder (config.json + "
+            "*.safetensors), e.g. from `tune download <repo> --output-dir <dir>`.",
+            key,
         )
     return json.loads(path.read_text())

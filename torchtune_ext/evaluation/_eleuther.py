@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 from omegaconf import DictConfig, ListConfig
@@ -51,15 +52,16 @@ def load_merged_model(merged_dir: str, dtype: torch.dtype, device: torch.device)
         nn.Module: the model in eval mode, no gradients.
 
     Raises:
-        FileNotFoundError: if the folder has no ``config.json`` or no safetensors file.
+        ConfigFileNotFoundError: if the folder has no ``config.json`` or no safetensors file.
     """
     folder = Path(merged_dir)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"merged_dir={merged_dir}: no config.json there; give a merged HF model folder.")
+    hf_config = read_hf_config(folder, "merged_dir")
     files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"merged_dir={merged_dir}: no *.safetensors file there; give a merged HF folder.")
-    lora_builder, args, model_type = torchtune_builder_for(read_hf_config(folder))
+        raise ConfigFileNotFoundError(
+            f"merged_dir={merged_dir}: no *.safetensors file there; give a merged HF folder.", "merged_dir"
+        )
+    lora_builder, args, model_type = torchtune_builder_for(hf_config)
     # the plain builder beside torchtune's lora_* one (lora_llama3_2 -> llama3_2), with the same arguments
     builder = getattr(sys.modules[lora_builder.__module__], lora_builder.__name__.removeprefix("lora_"))
     checkpointer = FullModelHFCheckpointer(str(folder), files, model_type, output_dir=tempfile.gettempdir())  # unused
@@ -83,9 +85,9 @@ class EleutherEvalRecipe:
         cfg (DictConfig): the config.
 
     Raises:
-        ConfigError: on an unknown key, a device that is not there, an empty task list or a bad ``batch_size`` /
-            ``max_seq_len``, naming the key (``ConfigFileNotFoundError``: a missing ``include_path`` or
-            ``merged_dir``).
+        ConfigError: on an unknown key, a device that is not there, an empty task list, a task lm-eval does not know
+            (with ``include_path``), or a bad ``batch_size`` / ``max_seq_len``, naming the key
+            (``ConfigFileNotFoundError``: a missing ``include_path`` or ``merged_dir``).
         ImportError: when lm-eval (the ``eval`` extra) is not installed, with the command that installs it.
     """
 
@@ -107,6 +109,7 @@ class EleutherEvalRecipe:
                 raise ConfigFileNotFoundError(f"{key}={path} is not a folder.", key)
         self._output_file = cfg.get("output_file", None)
         self._lm_class = _torchtune_lm_class()
+        self._task_manager = _task_manager(self.tasks, self._include_path)
         training.set_seed(seed=cfg.get("seed", 1234))
 
     def setup(self, cfg: DictConfig) -> None:
@@ -133,7 +136,6 @@ class EleutherEvalRecipe:
             Dict[str, Any]: lm-eval's results (``results``, ``configs``, ``samples``, ...).
         """
         from lm_eval.evaluator import simple_evaluate
-        from lm_eval.tasks import TaskManager
         from lm_eval.utils import handle_non_serializable, make_table
 
         start = time.perf_counter()
@@ -142,7 +144,7 @@ class EleutherEvalRecipe:
             tasks=self.tasks,
             num_fewshot=cfg.get("num_fewshot", None),
             limit=cfg.get("limit", None),
-            task_manager=TaskManager(include_path=self._include_path),
+            task_manager=self._task_manager,
             log_samples=self._output_file is not None,
             bootstrap_iters=int(cfg.get("bootstrap_iters", 0)),
             random_seed=cfg.get("seed", 1234),
@@ -156,7 +158,34 @@ class EleutherEvalRecipe:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(json.dumps(output, default=handle_non_serializable, indent=2))
             os.replace(tmp, path)
+            print(f"Results (lm-eval's JSON, with every sample's scores) written to {path}", flush=True)
         return output
+
+
+def _task_manager(tasks: List[str], include_path: Any) -> Any:
+    """lm-eval's task registry (with ``include_path``'s tasks), the tasks checked against it before anything loads.
+
+    Raises:
+        ConfigError: naming each task that is neither a task, group or tag of the registry nor a YAML file, with the
+            close matches.
+    """
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=include_path)
+    known = manager.all_tasks
+    problems = []
+    for task in tasks:
+        if task in known or Path(str(task)).is_file():
+            continue
+        close = difflib.get_close_matches(str(task), known, n=3, cutoff=0.6)
+        names = [repr(name) for name in close]
+        names[-2:] = [" or ".join(names[-2:])] if names else []
+        hint = f"did you mean {', '.join(names)}?" if close else "`lm-eval ls tasks` lists them"
+        where = "" if include_path else " (a local task: include_path=<its folder>)"
+        problems.append(f"tasks: {task!r} is not an lm-eval task, group or tag: {hint}{where}")
+    if problems:
+        raise ConfigError("\n".join(problems), "tasks")
+    return manager
 
 
 def run_eleuther_eval(cfg: DictConfig) -> Dict[str, Any]:

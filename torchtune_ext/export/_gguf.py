@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from torchtune_ext.config import ConfigError, ConfigFileNotFoundError
+
 PathLike = Union[str, Path]
 
 #: ``--type`` -> llama.cpp's file type (the ``gguf.LlamaFileType`` / ``llama_cpp.LLAMA_FTYPE_*`` name).
@@ -70,13 +72,13 @@ def _gguf():
 def _read_config(model_dir: Path) -> Tuple[Dict[str, Any], _Family]:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(
+        raise ConfigFileNotFoundError(
             f"{config_path} not found: --model must be a merged HF folder (config.json + *.safetensors)."
         )
     config = json.loads(config_path.read_text())
     arch = (config.get("architectures") or ["<none>"])[0]
     if arch not in FAMILIES:
-        raise ValueError(
+        raise ConfigError(
             f"{config_path}: architectures={arch!r} cannot be exported to GGUF here; supported: {', '.join(FAMILIES)}."
         )
     return config, FAMILIES[arch]
@@ -92,7 +94,7 @@ def _safetensors_files(model_dir: Path) -> List[Path]:
     missing = [str(f) for f in files if not f.is_file()]
     if not files or missing:
         what = "missing: " + ", ".join(missing) if missing else "no *.safetensors"
-        raise FileNotFoundError(
+        raise ConfigFileNotFoundError(
             f"{model_dir} has no complete safetensors checkpoint ({what}); "
             "export a merged folder (tune-ext merge / the recipe's merged output)."
         )
@@ -106,12 +108,12 @@ def _find_tokenizer(path: Path) -> Tuple[str, Path]:
             return "spm", path
         if path.name == "tokenizer.json":
             return "bpe", path.parent
-        raise ValueError(f"--tokenizer {path}: expected a SentencePiece .model file, a tokenizer.json or a folder.")
+        raise ConfigError(f"--tokenizer {path}: expected a SentencePiece .model file, a tokenizer.json or a folder.")
     if (path / "tokenizer.model").is_file():
         return "spm", path / "tokenizer.model"
     if (path / "tokenizer.json").is_file():
         return "bpe", path
-    raise FileNotFoundError(
+    raise ConfigFileNotFoundError(
         f"No tokenizer in {path} (tokenizer.model or tokenizer.json); copy the base model's tokenizer files there "
         "or pass --tokenizer <the base model's folder or tokenizer file>."
     )
@@ -174,7 +176,7 @@ def _plan_tensors(model_dir: Path, config: Dict[str, Any], family: _Family, type
                     continue
                 name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
                 if name is None:
-                    raise ValueError(
+                    raise ConfigError(
                         f"{path}: tensor {key!r} has no GGUF name for {family.arch}; is this a plain merged model?"
                     )
                 shape = tuple(f.get_slice(key).get_shape())
@@ -319,7 +321,7 @@ def _add_bpe_vocab(writer, folder: Path, n_vocab: int, pre: str) -> None:
 
 def _check_vocab(folder: Path, n_tokens: int, n_vocab: int) -> None:
     if n_tokens > n_vocab:
-        raise ValueError(
+        raise ConfigError(
             f"The tokenizer in {folder} has {n_tokens} tokens but the model's vocab_size is {n_vocab}: it is not this "
             "model's tokenizer; pass --tokenizer <the base model's folder>."
         )
@@ -361,7 +363,7 @@ def export_gguf(
 
     Args:
         model_dir (PathLike): the merged HF folder (``config.json`` + safetensors, sharded or not).
-        output (PathLike): the ``.gguf`` file to write (replaced if it exists).
+        output (PathLike): the ``.gguf`` file to write (replaced if it exists); its folder must exist.
         type (str): one of :data:`GGUF_TYPES`: "f16" or "q8_0" for the matrices, written by ``gguf`` (vectors and
             norms stay F32); "q4_0", "q5_0", "q4_k_m", "q5_k_m" or "q6_k": the f16 file quantized by llama.cpp's
             quantizer (needs ``llama-cpp-python``; its per-tensor rules and fallbacks).
@@ -374,21 +376,20 @@ def export_gguf(
         Path: ``output``.
 
     Raises:
-        ValueError: on an unknown ``type``, an unsupported architecture, an unmapped tensor or a tokenizer larger
-            than the model's vocabulary.
-        FileNotFoundError: on a missing config, checkpoint or tokenizer.
+        ConfigError: naming the flag of ``tune-ext export gguf``: an unknown ``type``, an unsupported architecture,
+            an unmapped tensor, a tokenizer larger than the model's vocabulary, an ``output`` that is a folder, in a
+            missing folder or not writable; ``ConfigFileNotFoundError``: a missing config, checkpoint or tokenizer.
         ImportError: on a type made by llama.cpp's quantizer when ``llama_cpp`` is not installed.
     """
     if type not in GGUF_TYPES:
-        raise ValueError(f"--type {type!r} is not supported; use one of {', '.join(GGUF_TYPES)}.")
+        raise ConfigError(f"--type {type!r} is not supported; use one of {', '.join(GGUF_TYPES)}.")
     _gguf()
     quantize = None if type in _WRITTEN_TYPES else _llama_cpp_quantizer(type)
     written_type = "f16" if quantize else type
-    model_dir, output = Path(model_dir), Path(output)
+    model_dir, output = Path(model_dir), _check_output(Path(output))
     config, family = _read_config(model_dir)
     tokenizer_kind, tokenizer_path = _find_tokenizer(Path(tokenizer_dir) if tokenizer_dir else model_dir)
     plan = _plan_tensors(model_dir, config, family, written_type)
-    output.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_sibling(output)
     f16 = _temp_sibling(output) if quantize else tmp
     try:
@@ -401,6 +402,25 @@ def export_gguf(
     finally:
         tmp.unlink(missing_ok=True)
         f16.unlink(missing_ok=True)
+    return output
+
+
+def _check_output(output: Path) -> Path:
+    """``--output``: a file path (not a folder) in an existing folder this user can write."""
+    if output.is_dir():
+        raise ConfigError(
+            f"--output={str(output)!r} is a folder; give the .gguf file's path, e.g. "
+            f"--output={str(output / 'model.gguf')!r}.",
+            "--output",
+        )
+    if not output.parent.is_dir():
+        raise ConfigError(
+            f"--output={str(output)!r}: its folder {output.parent} does not exist; create it first (mkdir -p "
+            f"{output.parent}) or give another path.",
+            "--output",
+        )
+    if not os.access(output.parent, os.W_OK | os.X_OK) or output.exists() and not os.access(output, os.W_OK):
+        raise ConfigError(f"--output={str(output)!r} is not writable by this user; give another path.", "--output")
     return output
 
 

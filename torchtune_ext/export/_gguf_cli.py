@@ -33,8 +33,12 @@ def add_export_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _export_gguf(args: argparse.Namespace) -> None:
-    try:
+    try:  # a bad flag is a ConfigError: `tune-ext` prints its line and exits 2
         path = export_gguf(args.model, args.output, args.type, args.tokenizer)
-    except (ValueError, FileNotFoundError, ImportError) as e:
+    except ImportError as e:  # a missing extra: the install command
         raise SystemExit(f"tune-ext export gguf: {e}") from e
-    print(f"Wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {args.type})")
+    print(
+        f"Wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {args.type})\nNext:\n"
+        f'  llama.cpp: llama-cli -m {path} -p "..."\n'
+        f"  Ollama:    a Modelfile with FROM {path.resolve()}, then ollama create <name> -f Modelfile (docs/gguf.md)"
+    )

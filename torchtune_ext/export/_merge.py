@@ -21,6 +21,7 @@ from torchtune_ext.checkpoint import (
     read_hf_config,
     read_peft_adapter,
 )
+from torchtune_ext.config import ConfigError
 from torchtune_ext.generation import build_model_for
 from torchtune_ext.models import torchtune_builder_for
 from torchtune_ext.nf4 import NF4Tensor, quantize_nf4
@@ -82,7 +83,7 @@ def merge_adapter(
     Args:
         base_dir (PathLike): the base HF folder (``config.json`` + safetensors).
         adapter_dir (PathLike): the adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
-        output_dir (PathLike): the merged model's folder (replaced if it exists).
+        output_dir (PathLike): the merged model's folder: new, empty or an earlier merge's (replaced).
         merged_dtype (Optional[str]): fp32, bf16 or fp16; None: the base checkpoint's own dtype.
         merge_base (str): ``nf4``: onto the NF4-dequantized base (the model as trained); ``original``: onto the
             checkpoint's own weights (PEFT's ``merge_and_unload`` on the original model).
@@ -94,19 +95,19 @@ def merge_adapter(
         Path: ``output_dir``.
 
     Raises:
-        FileNotFoundError: on a missing base or adapter file.
-        ValueError: on an adapter that does not fit the base (naming the file and the mismatch), an unknown
-            dtype or ``merge_base``, or an output folder inside the base's; all before anything is written.
+        ConfigError: naming the flag of ``tune-ext merge`` (``--base``, ``--adapter``, ``--output``, ...) and the
+            fix: a missing base or adapter (``ConfigFileNotFoundError``), an adapter that does not fit the base, an
+            unknown dtype or ``merge_base``, an output that is a file, inside the base's folder, holding other files
+            or not writable; all before anything is written.
     """
     if merge_base not in MERGE_BASES:
-        raise ValueError(f"merge_base={merge_base!r} is not supported; use one of {list(MERGE_BASES)}.")
-    output_dir = Path(output_dir)
-    check_writable(output_dir.parent, "--output")
-    model_type = torchtune_builder_for(read_hf_config(Path(base_dir)))[2]
+        raise ConfigError(f"--merge-base={merge_base!r} is not supported; use one of {list(MERGE_BASES)}.")
+    model_type = torchtune_builder_for(read_hf_config(Path(base_dir), "--base"))[2]
+    adapter = read_peft_adapter(adapter_dir, "--adapter")
+    output_dir = _check_output(Path(output_dir), Path(base_dir))
     checkpointer = QLoRAHFCheckpointer(str(base_dir), str(output_dir), model_type, max_shard_size_mb=max_shard_size_mb)
     compute = dtype_or_checkpoints(compute_dtype, checkpointer.hf_config, "--compute-dtype")
     merged = dtype_or_checkpoints(merged_dtype, checkpointer.hf_config, "--merged-dtype")
-    adapter = read_peft_adapter(adapter_dir)
     model = build_model_for(checkpointer, adapter, None, compute)
     base = base_keys(model)
     dtypes = {key: (value.dtype, isinstance(value, NF4Tensor)) for key, value in base.items()}
@@ -116,4 +117,27 @@ def merge_adapter(
     with atomic_directory(output_dir) as tmp:
         shapes = {key: value.shape for key, value in base.items()}
         checkpointer.write_merged(state, tmp, merged, config, merge_base, shapes=shapes)
+    return output_dir
+
+
+def _check_output(output_dir: Path, base_dir: Path) -> Path:
+    """``--output``: a folder to create (or an earlier merge's, to replace), outside the base's folder, that this user
+    can write."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(
+            f"--output={str(output_dir)!r} is a file; the merged model is a folder: give a folder path.", "--output"
+        )
+    base = base_dir.resolve()
+    if output_dir.resolve() == base or base in output_dir.resolve().parents:
+        raise ConfigError(
+            f"--output={str(output_dir)!r} is inside --base={str(base_dir)!r}; give a folder outside the base model's.",
+            "--output",
+        )
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not (output_dir / "config.json").is_file():
+        raise ConfigError(
+            f"--output={str(output_dir)!r} holds files that are not a merged model, and a merge replaces the folder; "
+            "give a new folder (or an earlier merge's).",
+            "--output",
+        )
+    check_writable(output_dir, "--output")
     return output_dir

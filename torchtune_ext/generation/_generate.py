@@ -13,6 +13,8 @@ from torch import nn
 from torchtune.data import Message
 from torchtune.modules.common_utils import delete_kv_caches
 
+from torchtune_ext.config import bad_value
+
 #: prompt tokens per cached forward (see ``Generator``).
 PREFILL_CHUNK = 512
 
@@ -32,8 +34,8 @@ class SamplingSettings:
         ignore_eos (bool): keep decoding past EOS (benchmarks, comparisons at a fixed length).
 
     Raises:
-        ValueError: on a non-positive ``max_new_tokens``, a negative temperature, ``top_k < 1`` or ``top_p`` outside
-            (0, 1].
+        ConfigError: on a non-positive ``max_new_tokens``, a negative temperature, ``top_k < 1`` or ``top_p`` outside
+            (0, 1], naming the setting (a ``ValueError``).
     """
 
     max_new_tokens: int = 128
@@ -46,14 +48,20 @@ class SamplingSettings:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer.")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy).")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k={self.top_k} must be a positive integer or null.")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1] or null.")
+        def integer(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def number(value: Any) -> bool:
+            return integer(value) or isinstance(value, float)
+
+        if not (integer(self.max_new_tokens) and self.max_new_tokens >= 1):
+            raise bad_value("max_new_tokens", self.max_new_tokens, "must be a positive integer", "e.g. 128")
+        if not (number(self.temperature) and self.temperature >= 0):
+            raise bad_value("temperature", self.temperature, "must be a number >= 0", "0: greedy, e.g. 0.7: sampled")
+        if self.top_k is not None and not (integer(self.top_k) and self.top_k >= 1):
+            raise bad_value("top_k", self.top_k, "must be a positive integer or null", "e.g. 50")
+        if self.top_p is not None and not (number(self.top_p) and 0 < self.top_p <= 1):
+            raise bad_value("top_p", self.top_p, "must be in (0, 1] or null", "e.g. 0.9")
 
 
 def sample_next_token(

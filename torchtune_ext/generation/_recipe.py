@@ -16,7 +16,12 @@ from torchtune import utils
 
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import check_writable, read_hf_config
-from torchtune_ext.config import check_generation_config, instantiate_component
+from torchtune_ext.config import (
+    ConfigError,
+    ConfigFileNotFoundError,
+    check_generation_config,
+    instantiate_component,
+)
 from torchtune_ext.generation._generate import (
     PREFILL_CHUNK,
     Generator,
@@ -47,11 +52,15 @@ def read_prompts(path: str) -> List[Any]:
         List[Any]: the prompts (strings or message lists).
 
     Raises:
-        FileNotFoundError: if the file does not exist.
-        ValueError: naming the file and line of an invalid record.
+        ConfigFileNotFoundError: if the file does not exist (a ``FileNotFoundError``).
+        ConfigError: naming the file and line of an invalid record, or a file without prompts (a ``ValueError``).
     """
     if not Path(path).is_file():
-        raise FileNotFoundError(f"prompts_file={path!r} does not exist.")
+        raise ConfigFileNotFoundError(
+            f"prompts_file={path!r} is not a file; set prompts_file to a JSONL file with one "
+            '{"prompt": "..."} per line.',
+            "prompts_file",
+        )
     prompts = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -59,18 +68,20 @@ def read_prompts(path: str) -> List[Any]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number} is not JSON ({err}).") from err
+            raise ConfigError(f"prompts_file: {path}:{number} is not JSON ({err}).", "prompts_file") from err
         prompt = record.get("messages", record.get("prompt")) if isinstance(record, dict) else None
         valid_messages = isinstance(prompt, list) and all(
             isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt
         )
         if not (isinstance(prompt, str) or valid_messages):
-            raise ValueError(
-                f'{path}:{number} needs "prompt" (a string) or "messages" (a list of {{"role", "content"}} objects).'
+            raise ConfigError(
+                f'prompts_file: {path}:{number} needs "prompt" (a string) or "messages" (a list of '
+                '{"role", "content"} objects).',
+                "prompts_file",
             )
         prompts.append(prompt)
     if not prompts:
-        raise ValueError(f"prompts_file={path!r} holds no prompts.")
+        raise ConfigError(f"prompts_file={path!r} holds no prompts; add one per line.", "prompts_file")
     return prompts
 
 
@@ -78,8 +89,8 @@ class GenerationRecipe:
     """Generation with the model as it trained; every setting is checked in ``__init__``, before any weight loads.
 
     Config keys: ``model``, ``tokenizer``, ``checkpointer`` (as in the training config), ``adapter_dir`` (null: the
-    base alone), ``dtype``, ``device``; prompts: ``prompt`` (a string or a list; replaces the default list
-    ``prompts``) and/or ``prompts_file`` (JSONL),
+    base alone; not needed by a dry run), ``dtype``, ``device``; prompts: ``prompt`` (a string or a list; replaces
+    the default list ``prompts``) or ``prompts_file`` (JSONL; replaces both),
     ``chat`` (apply the tokenizer's chat template to string prompts), ``answers_file`` (JSONL out, optional);
     sampling: ``max_new_tokens``, ``temperature`` (0: greedy), ``top_k``, ``top_p``, ``seed``, ``stop`` (strings),
     ``use_cache``, ``max_seq_len``.
@@ -88,11 +99,13 @@ class GenerationRecipe:
         cfg (DictConfig): the config.
 
     Raises:
-        ValueError: on invalid settings or prompts, naming the key.
-        FileNotFoundError: on a missing prompts file.
+        ConfigError: on invalid settings or prompts, a missing prompts file or adapter, or an adapter that does not
+            fit ``model``, naming the key; all before anything loads.
     """
 
     def __init__(self, cfg: DictConfig):
+        if cfg.get("dry_run", False) and OmegaConf.is_missing(cfg, "adapter_dir"):
+            cfg.adapter_dir = None  # the estimate takes the LoRA shape from `model:`; it reads no adapter
         check_generation_config(cfg)  # [issue 17] unknown keys, a device that is not there: one line, exit 2
         self._dry_run = bool(cfg.get("dry_run", False))
         self._device = torch.device(cfg.device) if self._dry_run else utils.get_device(device=cfg.device)
@@ -100,7 +113,7 @@ class GenerationRecipe:
         stop = cfg.get("stop", None) or []
         self.settings = SamplingSettings(
             max_new_tokens=cfg.get("max_new_tokens", 128),
-            temperature=float(cfg.get("temperature", 0.0)),
+            temperature=cfg.get("temperature", 0.0),
             top_k=cfg.get("top_k", None),
             top_p=cfg.get("top_p", None),
             seed=cfg.get("seed", None),
@@ -109,13 +122,16 @@ class GenerationRecipe:
         )
         self._chat = bool(cfg.get("chat", True))
         self._max_seq_len = cfg.get("max_seq_len", None)
-        # `prompt` (the command line's: a string or a list) replaces the config's default `prompts` (a list)
+        # `prompts_file` replaces the config's prompts; `prompt` (the command line's) replaces its default `prompts`
         prompt = cfg.get("prompt", None)
         prompt = cfg.get("prompts", None) if prompt is None else prompt
         prompts = list(prompt) if isinstance(prompt, (list, ListConfig)) else ([prompt] if prompt else [])
-        self.prompts: List[Any] = [_prompt_text(p) for p in prompts]
         if cfg.get("prompts_file", None):
-            self.prompts += read_prompts(cfg.prompts_file)
+            self.prompts: List[Any] = read_prompts(cfg.prompts_file)
+        else:
+            self.prompts = [_prompt_text(p) for p in prompts]
+        if not self.prompts and cfg.get("mode", "generate") != "chat" and not self._dry_run:
+            raise ConfigError("No prompts: set prompt=<text> (or a list) or prompts_file=<file.jsonl>.", "prompt")
         self._answers_file = cfg.get("answers_file", None)
         if self._answers_file:
             check_writable(Path(self._answers_file).parent, "answers_file")
@@ -155,8 +171,6 @@ class GenerationRecipe:
         Returns:
             List[Dict[str, Any]]: the answers' records.
         """
-        if not self.prompts:
-            raise ValueError("No prompts: set prompt=<text> (or a list) or prompts_file=<file.jsonl>.")
         records = []
         for prompt in self.prompts:
             record = self.answer(prompt)
@@ -232,7 +246,7 @@ def _prompt_text(prompt: Any) -> Any:
     if isinstance(prompt, (DictConfig, ListConfig)):
         prompt = OmegaConf.to_container(prompt)
     if not isinstance(prompt, (str, list)):
-        raise ValueError(f"prompt={prompt!r}: a prompt is a string or a list of chat messages.")
+        raise ConfigError(f"prompt={prompt!r}: a prompt is a string or a list of chat messages.", "prompt")
     return prompt
 
 

@@ -206,6 +206,30 @@ def test_bad_input_fails_before_writing(models, tmp_path):
     assert out.is_file()
 
 
+@pytest.mark.parametrize(
+    "output, line",
+    [
+        ("{tmp}", "--output='{tmp}' is a folder; give the .gguf file's path, e.g. --output='{tmp}/model.gguf'."),
+        ("{tmp}/no/m.gguf", "--output='{tmp}/no/m.gguf': its folder {tmp}/no does not exist; create it first"),
+    ],
+    ids=["an_existing_folder", "a_missing_folder"],
+)
+def test_a_bad_output_fails_before_converting(models, tmp_path, capsys, monkeypatch, output, line):
+    """Before: an existing folder failed with IsADirectoryError after the whole conversion."""
+    import torchtune_ext.export._gguf as gguf_module
+    from torchtune_ext.cli import main
+
+    converted = []
+    monkeypatch.setattr(gguf_module, "_write", lambda *args: converted.append(args))
+    output, line = output.format(tmp=tmp_path), line.format(tmp=tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "gguf", "--model", str(models["llama"]), "--output", output])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tune-ext: error: {line}"), lines
+    assert not converted and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("type_", ["q4_k_m", "q6_k", "q4_0"])
 def test_llama_cpp_types_without_llama_cpp_fail_before_writing(models, tmp_path, monkeypatch, type_):
     """The types llama.cpp's quantizer makes name the fix when ``llama_cpp`` is not importable, and leave no file."""
@@ -419,8 +443,9 @@ def test_cli_export_gguf(models, tmp_path, capsys):
     main(["export", "gguf", "--model", str(models["qwen"]), "--output", str(out), "--type", "q8_0"])
     assert "Wrote" in capsys.readouterr().out
     assert gguf.GGUFReader(out).fields["general.file_type"].contents() == 7
-    with pytest.raises(SystemExit, match="architectures="):
-        bad = tmp_path / "bad"
-        shutil.copytree(models["qwen"], bad)
-        (bad / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    bad = tmp_path / "bad"
+    shutil.copytree(models["qwen"], bad)
+    (bad / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(SystemExit) as exit_:
         main(["export", "gguf", "--model", str(bad), "--output", str(tmp_path / "bad.gguf")])
+    assert exit_.value.code == 2 and "architectures='GPT2LMHeadModel' cannot be exported" in capsys.readouterr().err

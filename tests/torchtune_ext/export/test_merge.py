@@ -154,3 +154,39 @@ def test_merge_streams_each_base_tensor_once(outputs, tmp_path, monkeypatch):
     assert sorted(reads) == sorted(base_names)
     assert iterated == [nf4 / "adapter" / "adapter_model.safetensors"]  # the base is never read whole
     assert (merged / "config.json").is_file()
+
+
+def _tree(folder: Path):
+    return sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "flag, value, line",
+    [
+        ("--base", "{tmp}/nowhere", "--base='{tmp}/nowhere' is not a folder; --base must be an HF-format model folder"),
+        ("--adapter", "{nf4}", "--adapter='{nf4}' is a checkpoint folder, not its adapter; set "
+         "--adapter='{nf4}/adapter'"),
+        ("--adapter", "{tmp}/nowhere", "--adapter='{tmp}/nowhere' is not a folder; set --adapter to an adapter folder"),
+        ("--output", "{base}", "--output='{base}' is inside --base='{base}'; give a folder outside the base model's."),
+        ("--output", "{base}/config.json", "--output='{base}/config.json' is a file; the merged model is a folder"),
+        ("--output", "{nf4}", "--output='{nf4}' holds files that are not a merged model, and a merge replaces the "
+         "folder; give a new folder"),
+    ],
+    ids=["missing_base", "adapter_s_step_folder", "missing_adapter", "output_is_the_base", "output_is_a_file",
+         "output_holds_a_run"],
+)  # fmt: skip
+def test_bad_flags_print_one_line_naming_the_flag_and_exit_2(outputs, tmp_path, capsys, flag, value, line):
+    """Before: a traceback (exit code 1), or a line that named the recipe's config key (output_dir,
+    checkpointer.checkpoint_dir) instead of the flag; a run's folder as --output was replaced by the merge."""
+    base, nf4, _ = outputs
+    names = {"tmp": tmp_path, "base": base, "nf4": nf4}
+    flags = {"--base": str(base), "--adapter": str(nf4 / "adapter"), "--output": str(tmp_path / "merged")}
+    flags[flag] = value.format(**names)
+    before = {folder: _tree(folder) for folder in (base, nf4, tmp_path)}
+    with pytest.raises(SystemExit) as exit_:
+        main(["merge", *[item for pair in flags.items() for item in pair]])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tune-ext: error: {line.format(**names)}"), err
+    assert {folder: _tree(folder) for folder in before} == before  # nothing written

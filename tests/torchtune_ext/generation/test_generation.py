@@ -207,7 +207,7 @@ def test_missing_adapter_fails_naming_the_file(llama_run, tmp_path, monkeypatch)
     (adapter / "adapter_model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="adapter_model.safetensors not found"):
         load_model_with_adapter(llama_run.parents[1] / "base", adapter)
-    with pytest.raises(FileNotFoundError, match="nowhere not found"):
+    with pytest.raises(FileNotFoundError, match="nowhere. is not a folder"):
         load_model_with_adapter(llama_run.parents[1] / "base", tmp_path / "nowhere")
     assert not calls
 
