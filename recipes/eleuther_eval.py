@@ -17,9 +17,8 @@ import sys
 from omegaconf import DictConfig
 from torchtune import config
 
-from torchtune_ext.config import exit_on_config_error
+from torchtune_ext.config import exit_on_config_error, parse
 from torchtune_ext.evaluation import run_eleuther_eval
-from torchtune_ext.generation import parse
 
 
 @exit_on_config_error("eleuther_eval")  # [issue 17] a config error: one line, exit code 2

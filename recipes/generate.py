@@ -23,8 +23,8 @@ import sys
 from omegaconf import DictConfig
 from torchtune import config
 
-from torchtune_ext.config import exit_on_config_error
-from torchtune_ext.generation import parse, run_generation
+from torchtune_ext.config import exit_on_config_error, parse
+from torchtune_ext.generation import run_generation
 
 
 @exit_on_config_error("generate")  # [issue 17] a config error: one line, exit code 2

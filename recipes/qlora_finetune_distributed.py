@@ -43,7 +43,7 @@ from omegaconf import DictConfig
 from torchtune import config
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from torchtune_ext.config import exit_on_config_error
+from torchtune_ext.config import exit_on_config_error, parse
 from torchtune_ext.distributed import (
     check_fsdp_cpu_offload,
     destroy_distributed,
@@ -119,7 +119,7 @@ class QLoRAFinetuneRecipeDistributed(QLoRARecipe):
 
 
 @exit_on_config_error("qlora_finetune_distributed")  # [issue 17] a config error: one line, exit code 2
-@config.parse
+@parse  # torchtune's config.parse, with overrides whose value holds "="
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run --nproc_per_node N recipes/qlora_finetune_distributed.py --config <yaml> [k=v ...]``."""
     if int(os.environ.get("RANK", "0")) == 0:

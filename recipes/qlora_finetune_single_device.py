@@ -62,7 +62,7 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config
 
-from torchtune_ext.config import exit_on_config_error
+from torchtune_ext.config import exit_on_config_error, parse
 from torchtune_ext.training import QLoRARecipe
 
 
@@ -120,7 +120,7 @@ class QLoRAFinetuneRecipeSingleDevice(QLoRARecipe):
 
 
 @exit_on_config_error("qlora_finetune_single_device")  # [issue 17] a config error: one line, exit code 2
-@config.parse
+@parse  # torchtune's config.parse, with overrides whose value holds "="
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/qlora_finetune_single_device.py --config <yaml> [key=value ...]``."""
     config.log_config(recipe_name="QLoRAFinetuneRecipeSingleDevice", cfg=cfg)

@@ -25,6 +25,7 @@ from torchtune_ext.config._errors import (
     print_config_error,
 )
 from torchtune_ext.config._instantiate import COMPONENT_VALUE_ERRORS, instantiate_component
+from torchtune_ext.config._parse import parse
 from torchtune_ext.config._validate import validate
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "exit_on_config_error",
     "instantiate_component",
     "missing_tokenizer_file",
+    "parse",
     "print_config_error",
     "read_json_records",
     "suggest",

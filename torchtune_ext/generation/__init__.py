@@ -11,7 +11,6 @@ from torchtune_ext.generation._generate import (
     weight_bytes,
 )
 from torchtune_ext.generation._model import build_model_for, load_model_with_adapter, open_base_checkpoint
-from torchtune_ext.generation._parse import parse
 from torchtune_ext.generation._recipe import GenerationRecipe, read_prompts, run_generation
 
 __all__ = [
@@ -23,7 +22,6 @@ __all__ = [
     "kv_cache_bytes",
     "load_model_with_adapter",
     "open_base_checkpoint",
-    "parse",
     "read_prompts",
     "run_generation",
     "sample_next_token",

@@ -1,6 +1,5 @@
-"""The entry point's config parsing of the recipes that use a trained model: torchtune's ``config.parse`` with
-command-line values that hold ``=`` (``prompt="What is 2+2=?"``), which torchtune's override parser refuses (it
-splits each override on every ``=``)."""
+"""The recipes' entry point: torchtune's ``config.parse`` with command-line values that hold ``=``
+(``prompt="What is 2+2=?"``), which torchtune's override parser refuses (it splits each override on every ``=``)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune.config._parse import TuneRecipeArgumentParser
 from torchtune.config._utils import _merge_yaml_and_cli_args
 
-from torchtune_ext.config import ConfigError
+from torchtune_ext.config._errors import ConfigError
 
 
 def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[..., Any]:
