@@ -156,14 +156,10 @@ def test_compiled_nf4_layer_saves_what_dynamo_hands_the_partitioner():
 
 @pytest.mark.slow
 def test_compiled_nf4_layer_saves_what_inductor_saves():
-    """torch.compile with inductor on the CPU (our NF4 code's accelerator branch): the same saved tensors."""
+    """torch.compile with inductor on the CPU (our NF4 code's accelerator branch): the same saved tensors. (torchtune's
+    own layer through inductor, a minute on 2 cores, saved the same as through the partitioner above; its check was
+    dropped to keep CI within 45 minutes.)"""
     assert _our_nf4_layer_saved() == _our_nf4_layer_reference_saved("inductor")
-
-
-@pytest.mark.slow
-def test_compiled_layer_saves_what_inductor_saves():
-    """torch.compile with inductor on the CPU (about a minute on 2 cores): the same saved tensors."""
-    assert _ours_saved() == _reference_saved("inductor", _tiny_model("cpu"))
 
 
 def _mlp(x: torch.Tensor, norm: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
