@@ -531,3 +531,29 @@ def read_hf_config(checkpoint_dir: Path, key: str = "checkpointer.checkpoint_dir
             key,
         )
     return json.loads(path.read_text())
+
+
+def hf_rope_parameters(hf_config: Dict[str, Any]) -> Dict[str, Any]:
+    """An HF ``config.json``'s RoPE settings in transformers 5's ``rope_parameters`` form, from either layout:
+    transformers 5 writes ``rope_parameters`` (``rope_theta``, ``rope_type`` and the scaling's own keys), 4.x a
+    top-level ``rope_theta`` beside ``rope_scaling`` (``type`` instead of ``rope_type`` in older files).
+
+    Args:
+        hf_config (Dict[str, Any]): the config.
+
+    Returns:
+        Dict[str, Any]: ``rope_type`` ("default" for plain RoPE), ``rope_theta`` (transformers' 10,000 when the
+        config has none) and the scaling's keys (``factor``, ``original_max_position_embeddings``, ...).
+
+    Example:
+        >>> hf_rope_parameters({"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
+        {'factor': 2.0, 'rope_type': 'linear', 'rope_theta': 500000.0}
+        >>> hf_rope_parameters({"rope_parameters": {"rope_type": "default", "rope_theta": 1e5}})
+        {'rope_type': 'default', 'rope_theta': 100000.0}
+    """
+    params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    if "type" in params:
+        params.setdefault("rope_type", params.pop("type"))
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", hf_config.get("rope_theta", 10_000.0))
+    return params
