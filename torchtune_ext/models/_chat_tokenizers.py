@@ -13,8 +13,9 @@ Why these subclasses of torchtune 0.6.1's tokenizers (the config's ``tokenizer._
   and the whole starts with ``<s>``, which Phi-3's template does not write; generation does not stop at ``<|end|>``.
 - ``GemmaTokenizer``: no chat format (Gemma 2's ``<start_of_turn>``/``<end_of_turn>`` turns) and ``__call__``
   ignores ``inference`` (a prompt ends with ``<eos>``); generation does not stop at ``<end_of_turn>``.
-- ``MistralTokenizer``: ``__call__`` ignores ``inference`` (a prompt ends ``[/INST]</s>``).
-- Llama 2, Llama 3: torchtune's tokenizers are kept as they are; their builders here add the checks.
+- ``MistralTokenizer``: ``__call__`` ignores ``inference`` (a prompt ends ``[/INST]</s>``); ``Llama2Tokenizer``
+  at inference leaves out the ``</s>`` that closes each earlier answer (the templates write it).
+- Llama 3: torchtune's tokenizer is kept as it is; its builder here adds the checks.
 
 Every truncation here is a plain cut at ``max_seq_len`` (as transformers / TRL truncate): the labels of the tokens
 kept are those of the untruncated sample.
@@ -26,7 +27,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from torchtune.data import Message
 from torchtune.data._prompt_templates import _get_prompt_template, _TemplateType
 from torchtune.models.gemma import GemmaTokenizer
-from torchtune.models.llama2 import llama2_tokenizer as _tt_llama2_tokenizer
+from torchtune.models.llama2 import Llama2Tokenizer
 from torchtune.models.llama3 import llama3_tokenizer as _tt_llama3_tokenizer
 from torchtune.models.mistral import MistralTokenizer
 from torchtune.models.phi3 import Phi3MiniTokenizer
@@ -428,12 +429,41 @@ def gemma_tokenizer(
     return tokenizer
 
 
+class _InstMixin:
+    """Llama 2's / Mistral's ``[INST]`` turns at inference: every earlier answer keeps its ``</s>``, the open last
+    assistant message gets none."""
+
+    _end_kwarg = "add_eos"
+
+    def __call__(self, sample: Mapping[str, Any], inference: bool = False) -> Mapping[str, Any]:
+        """Replaces ``sample["messages"]`` with their ``tokens`` and ``mask`` (``inference``: no ``</s>`` after
+        the last assistant message)."""
+        messages = sample.pop("messages")
+        tokens, mask = self.tokenize_messages(messages, **{self._end_kwarg: True})
+        if _open_end(messages, not inference) and tokens and tokens[-1] == self.eos_id:
+            tokens, mask = tokens[:-1], mask[:-1]
+        sample["tokens"], sample["mask"] = tokens, mask
+        return sample
+
+
+class Llama2ChatTokenizer(_InstMixin, Llama2Tokenizer):
+    """torchtune's ``Llama2Tokenizer`` whose inference prompt keeps the ``</s>`` of earlier answers."""
+
+    _end_kwarg = "add_end_tokens"
+
+
+class MistralChatTokenizer(_InstMixin, MistralTokenizer):
+    """torchtune's ``MistralTokenizer`` whose inference prompt ends ``[/INST]`` (no ``</s>``) and keeps the ``</s>``
+    of earlier answers."""
+
+
 def llama2_tokenizer(
     path: str,
     max_seq_len: Optional[int] = None,
     prompt_template: Optional[_TemplateType] = "torchtune.models.llama2.Llama2ChatTemplate",
-) -> Any:
-    """torchtune's ``llama2_tokenizer`` (Llama 2-chat's ``[INST]`` format), refusing another family's chat format.
+) -> Llama2ChatTokenizer:
+    """Llama 2's tokenizer (:class:`Llama2ChatTokenizer`; torchtune's ``llama2_tokenizer`` keys: Llama 2-chat's
+    ``[INST]`` format by default), refusing another family's chat format.
 
     Args:
         path (str): ``tokenizer.model``.
@@ -441,24 +471,12 @@ def llama2_tokenizer(
         prompt_template (Optional[_TemplateType]): the chat format (Llama 2's) or a task template.
 
     Returns:
-        Llama2Tokenizer: the tokenizer.
+        Llama2ChatTokenizer: the tokenizer.
 
     Raises:
         ConfigError: if ``prompt_template`` is another family's chat format.
     """
-    check_prompt_template(prompt_template, "llama2")
-    return _tt_llama2_tokenizer(path, max_seq_len, prompt_template)
-
-
-class MistralChatTokenizer(MistralTokenizer):
-    """torchtune's ``MistralTokenizer`` whose inference prompt ends ``[/INST]`` (no ``</s>``)."""
-
-    def __call__(self, sample: Mapping[str, Any], inference: bool = False) -> Mapping[str, Any]:
-        """Replaces ``sample["messages"]`` with their ``tokens`` and ``mask`` (``inference``: no ``</s>`` after
-        the last assistant message)."""
-        messages = sample.pop("messages")
-        sample["tokens"], sample["mask"] = self.tokenize_messages(messages, add_eos=not inference)
-        return sample
+    return Llama2ChatTokenizer(path, max_seq_len, _template(prompt_template, "llama2"))
 
 
 def mistral_tokenizer(

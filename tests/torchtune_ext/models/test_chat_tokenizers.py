@@ -244,8 +244,7 @@ def test_generation_prompt_ends_with_the_assistant_header(families, family):
     built, end_of_turn = families
     tokenizer = built[family](None)
     generator = Generator(_Model(), tokenizer, dtype=torch.float32, device="cpu")
-    # torchtune's Llama 2 / Mistral inference drops the </s> after earlier answers: one turn for those
-    conversation = CONVERSATIONS[0] if family in ("llama2", "mistral") else CONVERSATIONS[1][1:]
+    conversation = CONVERSATIONS[1][1:]  # two turns: the first answer's end is in the prompt
     prompt = generator.encode_prompt(conversation[:-1], chat=True)
     training, _ = tokenizer.tokenize_messages(_messages(conversation))
     answer = tokenizer.encode(conversation[-1]["content"], add_bos=False, add_eos=False)
