@@ -18,6 +18,7 @@ from torchtune.models.qwen2_5 import (
 
 from torchtune_ext.models._chat_tokenizers import (
     Gemma2ChatTokenizer,
+    Llama3ChatTokenizer,
     Llama2ChatTokenizer,
     MistralChatTokenizer,
     Phi3ChatTokenizer,
@@ -119,6 +120,7 @@ QLORA_BUILDERS = {
 }
 __all__ = [
     "Gemma2ChatTokenizer",
+    "Llama3ChatTokenizer",
     "Llama2ChatTokenizer",
     "MistralChatTokenizer",
     "Phi3ChatTokenizer",

@@ -15,7 +15,9 @@ Why these subclasses of torchtune 0.6.1's tokenizers (the config's ``tokenizer._
   ignores ``inference`` (a prompt ends with ``<eos>``); generation does not stop at ``<end_of_turn>``.
 - ``MistralTokenizer``: ``__call__`` ignores ``inference`` (a prompt ends ``[/INST]</s>``); ``Llama2Tokenizer``
   at inference leaves out the ``</s>`` that closes each earlier answer (the templates write it).
-- Llama 3: torchtune's tokenizer is kept as it is; its builder here adds the checks.
+- ``Llama3Tokenizer``: Llama 3.1 / 3.2 / 3.3-Instruct's templates open every conversation with a system turn that
+  holds ``Cutting Knowledge Date: December 2023`` and ``Today Date: {date_string}`` before the system message (none
+  given: an empty one); torchtune writes none, and ends a sample with ``<|end_of_text|>``, which the templates do not.
 
 Every truncation here is a plain cut at ``max_seq_len`` (as transformers / TRL truncate): the labels of the tokens
 kept are those of the untruncated sample.
@@ -28,7 +30,7 @@ from torchtune.data import Message
 from torchtune.data._prompt_templates import _get_prompt_template, _TemplateType
 from torchtune.models.gemma import GemmaTokenizer
 from torchtune.models.llama2 import Llama2Tokenizer
-from torchtune.models.llama3 import llama3_tokenizer as _tt_llama3_tokenizer
+from torchtune.models.llama3 import Llama3Tokenizer
 from torchtune.models.mistral import MistralTokenizer
 from torchtune.models.phi3 import Phi3MiniTokenizer
 from torchtune.models.phi3._tokenizer import PHI3_SPECIAL_TOKENS
@@ -47,6 +49,10 @@ from torchtune_ext.config import ConfigError
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 #: the default system message of Qwen2.5-Instruct's chat template (its ``tokenizer_config.json``).
 QWEN2_5_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+#: Llama 3.1-Instruct's (and 3.3's) ``date_string`` default; Llama 3.2's template writes today's date instead, which
+#: would make samples depend on the day: the same fixed date is used for every Llama 3.x.
+LLAMA3_DATE_STRING = "26 Jul 2024"
 
 #: torchtune's chat-format templates, by the family that uses them; a family takes only its own (task templates
 #: such as a summarisation prompt are not chat formats and are taken by any family).
@@ -501,30 +507,77 @@ def mistral_tokenizer(
     return MistralChatTokenizer(path, max_seq_len, _template(prompt_template, "mistral"))
 
 
+class Llama3ChatTokenizer(Llama3Tokenizer):
+    """torchtune's ``Llama3Tokenizer`` writing Llama 3.1-Instruct's chat template (its ``tokenizer_config.json``; no
+    tools): ``<|begin_of_text|>``, a system turn ``Cutting Knowledge Date: December 2023\nToday Date:
+    {date_string}\n\n{system message}``, then ``<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>``
+    per message; a generation prompt ends ``<|start_header_id|>assistant<|end_header_id|>\n\n``.
+
+    Args:
+        *args (Any): torchtune's ``Llama3Tokenizer`` arguments.
+        date_string (str): the template's ``date_string``.
+        **kwargs (Any): torchtune's ``Llama3Tokenizer`` keyword arguments.
+    """
+
+    def __init__(self, *args: Any, date_string: str = LLAMA3_DATE_STRING, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.date_string = date_string
+
+    def tokenize_messages(
+        self, messages: List[Message], *, add_end_tokens: bool = True
+    ) -> Tuple[List[int], List[bool]]:
+        """
+        Args:
+            messages (List[Message]): the conversation.
+            add_end_tokens (bool): False (inference): a last assistant message stays open (no ``<|eot_id|>``).
+
+        Returns:
+            Tuple[List[int], List[bool]]: tokens and masks (True: not trained on), cut at ``max_seq_len``.
+        """
+        templated = list(self.prompt_template(messages) if self.prompt_template is not None else messages)
+        system = templated.pop(0) if templated and templated[0].role == "system" else None
+        text = f"Cutting Knowledge Date: December 2023\nToday Date: {self.date_string}\n\n"
+        text += _text(system).strip() if system is not None else ""
+        masked = system.masked if system is not None else (templated[0].masked if templated else True)
+        header = self._tokenize_header(Message(role="system", content=""))
+        ids = [*header, *self.encode(text, add_bos=False, add_eos=False), self.eot_id]
+        tokens, mask = [self.bos_id, *ids], [True] + [masked] * len(ids)
+        open_end = _open_end(templated, add_end_tokens)
+        for index, message in enumerate(templated):
+            ids = self.tokenize_message(message, add_end_tokens=not (open_end and index == len(templated) - 1))
+            tokens, mask = tokens + ids, mask + [message.masked] * len(ids)
+            if self.max_seq_len and len(tokens) >= self.max_seq_len:
+                break
+        return _cut(tokens, mask, self.max_seq_len)
+
+
 def llama3_tokenizer(
     path: str,
     special_tokens_path: Optional[str] = None,
     max_seq_len: Optional[int] = None,
     prompt_template: Optional[_TemplateType] = None,
-) -> Any:
-    """torchtune's ``llama3_tokenizer`` (Llama 3's header and ``<|eot_id|>`` turns), refusing special tokens
-    without Llama 3's chat tokens and another family's chat format.
+    date_string: str = LLAMA3_DATE_STRING,
+) -> Llama3ChatTokenizer:
+    """Llama 3.x-Instruct's tokenizer (:class:`Llama3ChatTokenizer`; torchtune's ``llama3_tokenizer`` keys plus
+    ``date_string``), refusing special tokens without Llama 3's chat tokens and another family's chat format.
 
     Args:
         path (str): ``original/tokenizer.model`` (tiktoken).
         special_tokens_path (Optional[str]): ``tokenizer.json``; None: torchtune's Llama 3 special tokens.
         max_seq_len (Optional[int]): samples are cut at this length.
         prompt_template (Optional[_TemplateType]): a task template applied to the messages first.
+        date_string (str): the ``Today Date`` of the system turn.
 
     Returns:
-        Llama3Tokenizer: the tokenizer.
+        Llama3ChatTokenizer: the tokenizer.
 
     Raises:
         ConfigError: if the special tokens lack Llama 3's chat tokens or ``prompt_template`` is a chat format.
     """
-    check_prompt_template(prompt_template, "llama3")
+    template = _template(prompt_template, "llama3")
+    special = None
     if special_tokens_path is not None:
         fix = "set tokenizer.special_tokens_path to Llama 3's tokenizer.json (or leave it unset)."
         special = parse_hf_tokenizer_json(special_tokens_path)
         _missing_chat_tokens("llama3", special, "tokenizer.special_tokens_path", fix)
-    return _tt_llama3_tokenizer(path, special_tokens_path, max_seq_len, prompt_template)
+    return Llama3ChatTokenizer(path, special, max_seq_len, template, date_string=date_string)

@@ -54,6 +54,18 @@ QWEN3_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
     "{%- endif %}"
 )
+# meta-llama/Llama-3.1-8B-Instruct's tokenizer_config.json chat_template, its branch without tools (no custom_tools,
+# builtin_tools or tool messages); Llama 3.3-70B-Instruct's is the same.
+LLAMA3_1_TEMPLATE = (
+    "{{- bos_token }}{%- if not date_string is defined %}{%- set date_string = '26 Jul 2024' %}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content']|trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}{{- 'Cutting Knowledge Date: December 2023\n' }}"
+    "{{- 'Today Date: ' + date_string + '\n\n' }}{{- system_message }}{{- '<|eot_id|>' }}"
+    "{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + "
+    "message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
 CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of Quenfeld?"}, {"role": "assistant", "content": "Brooktide."}],
@@ -142,7 +154,49 @@ def test_chatml_training_sample_equals_the_template(chatml_files, family, index)
     assert tokens == _ids(hf.apply_chat_template(CONVERSATIONS[index], tokenize=True))
 
 
+@pytest.fixture(scope="module")
+def llama3_files(tmp_path_factory):
+    """A tiktoken file of the 256 bytes and the same as a byte-level BPE ``tokenizer.json``, Llama 3's special
+    tokens (torchtune's names) at ids 256 on in both."""
+    from torchtune.models.llama3._tokenizer import LLAMA3_SPECIAL_TOKENS
+
+    folder = tmp_path_factory.mktemp("llama3")
+    tokenizer = Tokenizer(models.BPE(vocab={_BYTE_CHARS[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(LLAMA3_SPECIAL_TOKENS))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return _tiktoken_file(folder), str(folder / "tokenizer.json")
+
+
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+def test_llama3_prompt_and_training_sample_equal_the_template(llama3_files, index):
+    """Llama 3.1-Instruct's template: a system turn with its knowledge and today dates first, ``<|eot_id|>`` after
+    every turn, no ``<|end_of_text|>``; the prompt ends with the assistant header."""
+    tiktoken, tokenizer_json = llama3_files
+    ours = chat.llama3_tokenizer(tiktoken, special_tokens_path=tokenizer_json, max_seq_len=4096)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=tokenizer_json, bos_token="<|begin_of_text|>", chat_template=LLAMA3_1_TEMPLATE
+    )
+    conversation = CONVERSATIONS[index]
+    generator = Generator(_Model(), ours, dtype=torch.float32, device="cpu")
+    prompt = conversation[:-1]
+    expected = _ids(hf.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
+    assert generator.encode_prompt(prompt if len(prompt) > 1 else prompt[0]["content"], chat=True) == expected
+    assert ours.tokenize_messages(_messages(conversation))[0] == _ids(hf.apply_chat_template(conversation))
+
+
 # --- the last labels of every family --------------------------------------------------------------------------------
+
+
+def _byte_chars():
+    """GPT-2's byte -> printable character map (byte-level BPE's alphabet)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+_BYTE_CHARS = _byte_chars()
 
 
 def _tiktoken_file(folder):
@@ -192,7 +246,7 @@ def families(chatml_files, tmp_path_factory):
         if family in CHATML:
             return [tokenizer.im_end_id, *tokenizer.encode("\n", add_bos=False, add_eos=False)]
         if family == "llama3":
-            return [tokenizer.eot_id]  # then <|end_of_text|>, not trained (torchtune's, the template's end)
+            return [tokenizer.eot_id]
         if family == "gemma":
             return [tokenizer.end_of_turn_id, *tokenizer.encode("\n", add_bos=False, add_eos=False)]
         if family == "phi3":
@@ -216,7 +270,7 @@ def test_last_labels_of_an_untruncated_and_a_truncated_sample(families, family):
     """Untruncated, with ``max_seq_len`` set (the configs' case): the assistant turn's end tokens are trained
     (torchtune's Qwen2 tokenizers masked the final ``<|im_end|>`` out: upstream issue 2792). Truncated: the
     labels are the untruncated sample's first ``max_seq_len`` (a plain cut, as transformers / TRL truncate), except
-    where torchtune's own Llama 2 / Mistral / Llama 3 tokenizers put their end-of-sequence token at the cut."""
+    where torchtune's own Llama 2 / Mistral tokenizers put their end-of-sequence token at the cut."""
     built, end_of_turn = families
     conversation = CONVERSATIONS[1][1:]  # Mistral's and Gemma 2's formats have no system role
     free = built[family](None)
@@ -230,8 +284,6 @@ def test_last_labels_of_an_untruncated_and_a_truncated_sample(families, family):
     assert len(truncated) == cut
     if family in ("llama2", "mistral"):
         assert truncated[:-1] == labels[: cut - 1] and truncated[-1] == free.eos_id
-    elif family == "llama3":
-        assert truncated[:-1] == labels[: cut - 1] and truncated[-1] == -100
     else:
         assert truncated == labels[:cut]
         assert truncated[-1] == labels[cut - 1] != -100  # inside the last answer: trained as it is
