@@ -559,8 +559,10 @@ class RecipeState:
 
     def restore_lr_scheduler_(self, scheduler: Any, fresh: List[Dict[str, Any]]) -> None:
         """Loads the scheduler's state; where this run's lr differs from the saved one, the schedule continues
-        from the same step with the new peak lr."""
-        scheduler.load_state_dict(self.lr_scheduler)
+        from the same step with the new peak lr. A run whose optimizer has another number of param groups than the
+        saved one (another world size, or a state of one group) gives every group the saved first group's values:
+        the groups are built from one optimizer config, so they agree."""
+        scheduler.load_state_dict(_per_group(self.lr_scheduler, len(scheduler.optimizer.param_groups)))
         lambdas = getattr(scheduler, "lr_lambdas", None)
         for i, (group, hyper) in enumerate(zip(scheduler.optimizer.param_groups, fresh)):
             if lambdas is None or hyper["lr"] == group.get("initial_lr"):
@@ -588,6 +590,19 @@ class RecipeState:
         rank 0's."""
         states = self.rng_per_rank
         return native_rng_state(states[rank] if len(states) == world_size else states[0])
+
+
+def _per_group(state: Dict[str, Any], num_groups: int) -> Dict[str, Any]:
+    """An LR scheduler's state with its per-group lists (``base_lrs``, ``_last_lr``, LambdaLR's ``lr_lambdas``) fitted
+    to ``num_groups`` groups by repeating the first entry."""
+    saved = len(state.get("base_lrs", ()))
+    if saved in (0, num_groups):
+        return state
+    per_group = ("base_lrs", "_last_lr", "lr_lambdas")
+    return {
+        key: [value[0]] * num_groups if key in per_group and isinstance(value, list) and len(value) == saved else value
+        for key, value in state.items()
+    }
 
 
 def _tokenizer_changes(

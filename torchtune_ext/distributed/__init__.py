@@ -13,7 +13,11 @@ from torchtune_ext.distributed._launch import (
     per_rank_batch_size,
 )
 from torchtune_ext.distributed._nf4_sharding import NF4ShardingPlan, check_nf4_sharding, nf4_nbytes, nf4_weights
-from torchtune_ext.distributed._optimizer import get_full_optimizer_state, load_full_optimizer_state
+from torchtune_ext.distributed._optimizer import (
+    get_full_optimizer_state,
+    load_full_optimizer_state,
+    optimizer_param_groups,
+)
 from torchtune_ext.distributed._parallelize import (
     VOCAB_PRUNING_SHARDING,
     fsdp_units,
@@ -48,6 +52,7 @@ __all__ = [
     "launched_world_size",
     "load_full_optimizer_state",
     "load_full_state_dict",
+    "optimizer_param_groups",
     "per_rank_batch_size",
     "replicated_params",
     "shard_model",

@@ -6,12 +6,14 @@ from torchtune_ext._dtype import DTYPES, is_bf16_supported, parse_dtype
 # torchtune.training re-exports its distributed state-dict helpers; ours live in torchtune_ext.distributed.
 from torchtune_ext.distributed import get_full_state_dict
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
+from torchtune_ext.training._allocator import EXPANDABLE_SEGMENTS, use_expandable_segments
 from torchtune_ext.training._builders import build_dataset, build_qlora_model, build_tokenizer
 from torchtune_ext.training._data import shifted_labels
 from torchtune_ext.training._dry_run import RECIPE_ALLOWANCE
 from torchtune_ext.training._export import check_run_folders, export_merged, merge_command
 from torchtune_ext.training._interrupt import InterruptGuard, resume_command
 from torchtune_ext.training._metrics import (
+    MemoryPeaks,
     Throughput,
     format_memory_stats,
     gather_memory_stats,
@@ -74,4 +76,7 @@ __all__ = [
     "rss_bytes",
     "set_rng_state",
     "shifted_labels",
+    "EXPANDABLE_SEGMENTS",
+    "MemoryPeaks",
+    "use_expandable_segments",
 ]

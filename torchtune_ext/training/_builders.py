@@ -14,6 +14,7 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.datasets import ConcatDataset
 
 from torchtune_ext.config import TOKENIZER_FILE_KEYS, ConfigError, instantiate_component, missing_tokenizer_file
+from torchtune_ext.distributed import optimizer_param_groups
 
 
 def build_qlora_model(
@@ -127,9 +128,10 @@ def build_dataset(cfg_dataset: Any, tokenizer: Any, what: str = "dataset") -> Da
 def build_optimizer(
     cfg_optimizer: DictConfig, cfg_lr_scheduler: DictConfig, params: List[nn.Parameter]
 ) -> Tuple[Any, Any]:
-    """The optimizer over ``params`` and its LR schedule for one training step: what the dry run's copy of the step
-    uses, and (over one parameter) the check that a value they refuse (``betas=0.9``, a scheduler argument of the
-    wrong type) fails before the weights load, not after.
+    """The optimizer over ``params`` (in param groups that fused and foreach optimizers accept,
+    :func:`torchtune_ext.distributed.optimizer_param_groups`) and its LR schedule for one training step: what the
+    dry run's copy of the step uses, and (over one parameter) the check that a value they refuse (``betas=0.9``, a
+    scheduler argument of the wrong type) fails before the weights load, not after.
 
     Args:
         cfg_optimizer (DictConfig): the ``optimizer`` section.
@@ -142,5 +144,5 @@ def build_optimizer(
     Raises:
         ConfigError: naming the key and the value refused.
     """
-    optimizer = instantiate_component(cfg_optimizer, "optimizer", params)
+    optimizer = instantiate_component(cfg_optimizer, "optimizer", optimizer_param_groups(params))
     return optimizer, instantiate_component(cfg_lr_scheduler, "lr_scheduler", optimizer, num_training_steps=1)

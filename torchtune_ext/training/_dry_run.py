@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torchtune import utils
 
 from torchtune_ext.checkpoint import read_hf_config
@@ -87,6 +88,8 @@ def _bind(step: QLoRARecipe, model: nn.Module, loss_fn: Any, *, cfg: DictConfig,
     step._prepare_model(model)
     if step.settings.enable_activation_offloading:  # last, as the recipe's _prepare_model sets up the real one
         step._activation_offloading = OffloadedActivations.for_model(model)
+    if step.world_size > 1:  # a per-rank dry run: its fake tensors and batches are on the CPU, whatever the host has
+        step._device_mesh = init_device_mesh("cpu", (step.world_size,))
     step._parallelize()  # [issue 19] FSDP2 on a fake process group (a per-rank dry run); no-op on one rank
     step._setup_loss()
     if compile:  # what the recipe compiles: every decoder layer, and the loss unless LinearCrossEntropyLoss

@@ -1,11 +1,13 @@
-"""Memory and throughput metrics for the recipes' logs: CUDA peaks, the process's peak RSS, tokens/s."""
+"""Memory and throughput metrics for the recipes' logs: CUDA peaks (per logging window, and the run's), the
+process's peak RSS, tokens/s."""
 
 from __future__ import annotations
 
 import resource
 import sys
 import time
-from typing import Dict
+from functools import partial
+from typing import Callable, Dict, Optional
 
 import psutil
 import torch
@@ -60,6 +62,58 @@ def memory_stats(device: torch.device, reset_peaks: bool = False) -> Dict[str, f
     return stats
 
 
+def _reset_cuda_peaks(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class MemoryPeaks:
+    """Memory figures per logging window and for the whole run.
+
+    CUDA's peak counters are reset after each window is read (:meth:`window`), so each logged peak is its window's
+    (the first window's holds the load); :meth:`overall` keeps, for every ``peak_*`` figure, the largest of all
+    windows and the current one. ``peak_rss`` (the process's peak; it cannot be reset) and ``rss`` pass through.
+
+    Args:
+        device (torch.device): the training device.
+        read (Optional[Callable[[], Dict[str, float]]]): the figures now; default :func:`memory_stats` of ``device``.
+        reset (Optional[Callable[[], None]]): resets the peak counters; default: CUDA's of ``device``.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        read: Optional[Callable[[], Dict[str, float]]] = None,
+        reset: Optional[Callable[[], None]] = None,
+    ):
+        self._read = read or partial(memory_stats, device)
+        self._reset = reset or partial(_reset_cuda_peaks, device)
+        self._run: Dict[str, float] = {}
+
+    def window(self) -> Dict[str, float]:
+        """
+        Returns:
+            Dict[str, float]: the figures since the last window (peaks of this window); starts the next one.
+        """
+        stats = self._read()
+        self._reset()
+        self._run = self._with_run_peaks(stats)
+        return stats
+
+    def overall(self) -> Dict[str, float]:
+        """
+        Returns:
+            Dict[str, float]: the figures now, each ``peak_*`` the run's (every window's, this one's included).
+        """
+        return self._with_run_peaks(self._read())
+
+    def _with_run_peaks(self, stats: Dict[str, float]) -> Dict[str, float]:
+        return {
+            name: max(value, self._run.get(name, value)) if name.startswith("peak_") else value
+            for name, value in stats.items()
+        }
+
+
 def format_memory_stats(stats: Dict[str, float]) -> str:
     """
     Args:
@@ -97,7 +151,9 @@ class Throughput:
         return self.tokens / max(time.perf_counter() - self._start, 1e-9)
 
 
-def gather_memory_stats(device: torch.device, reset_peaks: bool = False) -> Dict[str, float]:
+def gather_memory_stats(
+    device: torch.device, reset_peaks: bool = False, stats: Optional[Dict[str, float]] = None
+) -> Dict[str, float]:
     """Every rank's memory figures (:func:`memory_stats`), on every rank.
 
     Collective: call it on all ranks.
@@ -105,11 +161,14 @@ def gather_memory_stats(device: torch.device, reset_peaks: bool = False) -> Dict
     Args:
         device (torch.device): the training device.
         reset_peaks (bool): reset CUDA peak counters after reading them.
+        stats (Optional[Dict[str, float]]): this rank's figures, read already (e.g. :class:`MemoryPeaks`'); the
+            same names on every rank. Default: :func:`memory_stats` now.
 
     Returns:
         Dict[str, float]: ``"<name>/rank<r>"`` -> GiB for every rank ``r``.
     """
-    stats = memory_stats(device, reset_peaks=reset_peaks)
+    if stats is None:
+        stats = memory_stats(device, reset_peaks=reset_peaks)
     names = sorted(stats)
     local = torch.tensor([stats[name] for name in names], dtype=torch.float64)
     if not dist.is_initialized():

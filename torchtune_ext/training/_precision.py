@@ -8,7 +8,7 @@ backs off, and :class:`LossScaler` counts the skipped steps for the logs.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Set
 
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -74,6 +74,7 @@ class LossScaler:
         self.enabled = enabled
         self.min_scale = float(min_scale)
         self.skipped_steps = 0
+        self._unscaled: Set[int] = set()  # ids of the optimizers unscaled since their last step
         self._scaler = self._grad_scaler_class(
             device.type, init_scale=init_scale, growth_interval=growth_interval, enabled=enabled
         )
@@ -92,9 +93,15 @@ class LossScaler:
         """Divides the gradients of ``optimizer``'s params by the scale in place (before clipping)."""
         if self.enabled:
             self._scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
 
     def step(self, optimizer: Optimizer) -> bool:
         """Steps the optimizer unless the gradients overflowed, and updates the scale.
+
+        The skip is decided here, on the host, for every optimizer: ``GradScaler.step`` hands a fused optimizer
+        the overflow flag as a tensor instead, which the optimizer copies to its params' device without waiting;
+        with the params on the host (``fsdp_cpu_offload``) and the flag on the GPU, the step could read the flag
+        before the copy lands. The gradients are unscaled already, so the optimizer steps as it would unscaled.
 
         Args:
             optimizer (Optimizer): the optimizer.
@@ -105,10 +112,15 @@ class LossScaler:
         if not self.enabled:
             optimizer.step()
             return True
-        scale_before = self._scaler.get_scale()
-        self._scaler.step(optimizer)
+        if id(optimizer) not in self._unscaled:
+            self.unscale_(optimizer)
+        # GradScaler's own record of this optimizer's overflow (every rank's, for the distributed scaler).
+        flags = self._scaler._found_inf_per_device(optimizer).values()
+        taken = not any(bool(flag.item()) for flag in flags)  # .item() waits for the flag
+        if taken:
+            optimizer.step()
         self._scaler.update()
-        taken = self._scaler.get_scale() >= scale_before
+        self._unscaled.discard(id(optimizer))
         self.skipped_steps += int(not taken)
         return taken
 

@@ -189,7 +189,7 @@ class QLoRARecipe(RecipeSetup):
             "tokens_per_second": rank_tokens_per_second * global_tokens / max(num_tokens, 1.0),
             **({"tokens_per_second_per_rank": rank_tokens_per_second} if self.world_size > 1 else {}),
             **step_metrics,
-            **self._memory_metrics(),
+            **self._memory_metrics(window=True),  # the peaks since the last logged step
         }
         if self._is_rank_zero:
             self._metric_logger.log_dict(metrics, step=self.global_step)
@@ -393,7 +393,7 @@ class QLoRARecipe(RecipeSetup):
         state = get_full_state_dict(
             self._model, adapter_weights_only=not save_merged, keep_nf4=True, cpu_offload=self.world_size > 1
         )
-        optimizer = get_full_optimizer_state(self._optimizer)
+        optimizer = get_full_optimizer_state(self._optimizer, self._trainable_params)
         rng = all_rng_states(self.settings.device, self.world_size)
         if self._is_rank_zero:
             adapters = {k: state[k].detach().to("cpu", copy=True) for k in self._adapter_keys}

@@ -19,7 +19,6 @@ Every library call works on one rank and on many; the distributed recipe overrid
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from functools import partial
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
@@ -27,6 +26,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import modules, training, utils
@@ -48,6 +48,7 @@ from torchtune_ext.config import check_config, instantiate_component  # [issue 1
 from torchtune_ext.distributed import (
     check_nf4_sharding,  # [issue 23]
     load_full_optimizer_state,
+    optimizer_param_groups,
     replicated_params,
     unwrap_key,
 )
@@ -64,12 +65,13 @@ from torchtune_ext.modules.vocab_pruning import (
 )
 from torchtune_ext.nf4 import cache_nf4_decoding_tables
 from torchtune_ext.training._activations import activation_offloading
+from torchtune_ext.training._allocator import use_expandable_segments
 from torchtune_ext.training._builders import build_dataset, build_optimizer, build_qlora_model, build_tokenizer
 from torchtune_ext.training._checkpointing import disk_plan
 from torchtune_ext.training._data import build_data_loader, check_data
 from torchtune_ext.training._export import check_run_folders
 from torchtune_ext.training._interrupt import InterruptGuard, continued_metric_logger
-from torchtune_ext.training._metrics import format_memory_stats, gather_memory_stats, memory_stats
+from torchtune_ext.training._metrics import MemoryPeaks, format_memory_stats, gather_memory_stats
 from torchtune_ext.training._nonfinite import NonFiniteGuard, check_base_finite
 from torchtune_ext.training._precision import DistributedLossScaler, LossScaler, check_param_dtypes
 from torchtune_ext.training._rng import seed_everything
@@ -127,11 +129,10 @@ class RecipeSetup(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         dry_run = bool(cfg.get("dry_run", False))  # estimates for the configured device, which need not be here
         check_config(cfg, dry_run=dry_run)  # [issue 17] keys, ranges, device, files: before anything is done
-        if not dry_run and str(cfg.device).startswith("cuda"):
-            # Before CUDA allocates: growable segments instead of fixed blocks leave little fragmentation when
-            # batch shapes vary (the memory estimate's allowance assumes it; the user's own setting is kept).
-            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        if not dry_run:  # before anything is allocated on the device; the user's own allocator settings are kept
+            use_expandable_segments(torch.device(str(cfg.device)))
         self.settings = RecipeSettings.from_config(cfg)
+        self._memory_peaks = MemoryPeaks(self.settings.device)  # logged per window, the run's in the summary
         self.max_steps_per_epoch = self.settings.max_steps_per_epoch  # a resume keeps the saved run's
         self._activation_offloading: ContextManager = contextlib.nullcontext()
         self._pruning = None
@@ -186,7 +187,9 @@ class RecipeSetup(FTRecipeInterface):
             self._info(disk.format())  # [issue 25]
 
             self._load_model(state)
-            self._optimizer = instantiate_component(cfg.optimizer, "optimizer", self._trainable_params)
+            # One param group per kind of param (sharded or not, device, dtype): fused and foreach AdamW need it.
+            groups = optimizer_param_groups(self._trainable_params)
+            self._optimizer = instantiate_component(cfg.optimizer, "optimizer", groups)
             self._setup_loss()
             self._setup_dataloaders(cfg, dataset, val_dataset)
             self._setup_schedule(cfg, state)
@@ -418,8 +421,12 @@ class RecipeSetup(FTRecipeInterface):
         if not self.settings.dry_run:
             self._activation_offloading = activation_offloading(model, self.settings.enable_activation_offloading)
 
+    #: The mesh FSDP shards over; None: torch's default for the process group (on the host's accelerator). The
+    #: per-rank dry run sets a CPU one: its fake tensors and batches are on the CPU whatever the host has.
+    _device_mesh: Optional[DeviceMesh] = None
+
     def _parallelize(self) -> None:
-        """Shards the model (the distributed recipe); one rank keeps it whole."""
+        """Shards the model (the distributed recipe) over :attr:`_device_mesh`; one rank keeps it whole."""
 
     @property
     def _sharded_device(self) -> Optional[torch.device]:
@@ -463,7 +470,8 @@ class RecipeSetup(FTRecipeInterface):
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
         if state is not None:  # [issue 24] this run's optimizer hyperparameters; the global data position
-            hyperparameters = state.restore_optimizer_(self._optimizer, load_full_optimizer_state)
+            load = partial(load_full_optimizer_state, params=self._trainable_params)  # numbered in this order
+            hyperparameters = state.restore_optimizer_(self._optimizer, load)
             self._loss_scaler.load_state_dict(state.loss_scaler)
             state.restore_sampler_(self._sampler, self.world_size)
         self._lr_scheduler = instantiate_component(
@@ -480,10 +488,12 @@ class RecipeSetup(FTRecipeInterface):
             self._rng_to_restore = state.rng_for(self.rank, self.world_size)  # [issue 24]
             if self.epochs_run < self.settings.epochs:  # [issue 17] the step the interrupt message named
                 self._info(state.describe_position(self.world_size, *self._epoch_and_batch()))  # [issue 24] the data
-        self._info(f"Memory after setup: {format_memory_stats(self._memory_metrics())}")
+        self._info(f"Memory after setup: {format_memory_stats(self._memory_metrics(window=True))}")
 
     # ---------------------------------------------------------------------------------------------- cross-rank
 
-    def _memory_metrics(self) -> Dict[str, float]:
-        """This rank's memory figures, or every rank's (``<name>/rank<r>``) on several ranks. Collective."""
-        return memory_stats(self.settings.device) if self.world_size == 1 else gather_memory_stats(self.settings.device)
+    def _memory_metrics(self, window: bool = False) -> Dict[str, float]:
+        """This rank's memory figures, or every rank's (``<name>/rank<r>``) on several ranks: the peaks since the
+        last window's (``window``, which starts the next) or the run's. Collective."""
+        stats = self._memory_peaks.window() if window else self._memory_peaks.overall()
+        return stats if self.world_size == 1 else gather_memory_stats(self.settings.device, stats=stats)
