@@ -18,6 +18,11 @@ from torchtune_ext.checkpoint._checkpointer import (
     base_keys,
     resolve_checkpoint_files,
 )
+from torchtune_ext.checkpoint._from_gguf import (
+    hf_checkpoint_from_gguf,
+    smollm2_135m_instruct_checkpoint,
+    smollm2_135m_instruct_gguf,
+)
 from torchtune_ext.checkpoint._hf import (
     SAFETENSORS_INDEX,
     SUPPORTED_MODEL_TYPES,
@@ -67,6 +72,9 @@ __all__ = [
     "base_keys",
     "format_bytes",
     "free_bytes",
+    "hf_checkpoint_from_gguf",
+    "smollm2_135m_instruct_checkpoint",
+    "smollm2_135m_instruct_gguf",
     "is_adapter_key",
     "iter_safetensors",
     "read_safetensors_header",
