@@ -66,6 +66,15 @@ LLAMA3_1_TEMPLATE = (
     "message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )
+# google/gemma-2-2b-it's tokenizer_config.json chat_template, verbatim (9b-it's and 27b-it's are the same).
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
 CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of Quenfeld?"}, {"role": "assistant", "content": "Brooktide."}],
@@ -206,24 +215,47 @@ def _tiktoken_file(folder):
 
 
 def _gemma_model(folder):
+    """A SentencePiece BPE model with Gemma's layout: ``<pad> <eos> <bos> <unk>`` at 0-3, the turn tokens as
+    user-defined pieces, byte fallback, no dummy prefix; ``tokenizer_config.json`` beside it for transformers."""
+    import json
+
     import sentencepiece as spm
 
     lines = [f"{s['input']} {s['output']}" for s in tiny_instruct_samples("train", 500)] + ["user model"] * 5
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines),
-        model_prefix=str(folder / "gemma"),
+        model_prefix=str(folder / "tokenizer"),
         model_type="bpe",
-        vocab_size=120,
+        vocab_size=400,
         character_coverage=1.0,
         user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
-        pad_id=0,
-        eos_id=1,
-        bos_id=2,
-        unk_id=3,
+        **{f"{name}_id": i for i, name in enumerate(("pad", "eos", "bos", "unk"))},
+        **{f"{name}_piece": f"<{name}>" for name in ("pad", "eos", "bos", "unk")},
+        byte_fallback=True,
         add_dummy_prefix=False,
+        normalization_rule_name="identity",
         minloglevel=2,
     )
-    return str(folder / "gemma.model")
+    special = {f"{name}_token": f"<{name}>" for name in ("pad", "eos", "bos", "unk")}
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GemmaTokenizer", **special}))
+    return str(folder / "tokenizer.model")
+
+
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+def test_gemma_prompt_and_training_sample_equal_the_template(tmp_path, index):
+    """Gemma 2-it's template: ``<start_of_turn>user|model`` turns closed by ``<end_of_turn>\n``, no ``<eos>``; the
+    prompt ends ``<start_of_turn>model\n`` (torchtune's Gemma tokenizer wrote no turns and ended with ``<eos>``)."""
+    from transformers import AutoTokenizer
+
+    ours = chat.gemma_tokenizer(_gemma_model(tmp_path), max_seq_len=4096)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    hf.chat_template = GEMMA2_TEMPLATE
+    conversation = [m for m in CONVERSATIONS[index] if m["role"] != "system"]
+    generator = Generator(_Model(), ours, dtype=torch.float32, device="cpu")
+    expected = _ids(hf.apply_chat_template(conversation[:-1], tokenize=True, add_generation_prompt=True))
+    assert generator.encode_prompt(conversation[:-1], chat=True) == expected
+    assert ours.tokenize_messages(_messages(conversation))[0] == _ids(hf.apply_chat_template(conversation))
+    assert hf.convert_tokens_to_ids("<end_of_turn>") in generator.stop_ids
 
 
 @pytest.fixture(scope="module")
