@@ -4,9 +4,10 @@ torchtune 0.6.1 (its last release) imports torchao names that later torchao rele
 >= 2.11 dispatches an op on NF4Tensors that torchao 0.15 does not handle (and 0.16+ handles lazily); torchao's NF4
 all-gather leaves several gathers in flight, which corrupts memory on gloo. This module
 fills exactly those gaps: each alias only where the installed torchao lacks the name, with the reason next to it
-(:func:`_apply_torchao_aliases`), and two op handlers (:func:`_register_nf4_ops`, which says why they replace
-torchao's); and it re-exports torchao's NF4 names from wherever the installed torchao keeps them (``NF4Tensor``,
-``to_nf4``, ... as attributes of this module).
+(:func:`_apply_torchao_aliases`), two op handlers (:func:`_register_nf4_ops`, which says why they replace
+torchao's), FSDP2's split and padding of NF4 weights that do not split evenly (:func:`register_nf4_sharding_ops`,
+which ``torchtune_ext.nf4`` calls with its handlers); and it re-exports torchao's NF4 names from wherever the
+installed torchao keeps them (``NF4Tensor``, ``to_nf4``, ... as attributes of this module).
 
 When: the aliases must exist after torchao has fully imported and before the first ``import torchtune``. Users
 start us in ways where torchtune is imported before any code of ours runs: ``tune run ...`` (torchtune's own
@@ -193,6 +194,44 @@ def _register_nf4_ops() -> None:
         value = args[0]
         inner = {name: wait(getattr(value, name)) for name in nf4._INNER_TENSOR_NAMES_FOR_SHARDING}
         return nf4.NF4Tensor(*nf4.construct_nf4_args(value, inner))
+
+
+#: torchao's own handlers of the ops :func:`register_nf4_sharding_ops` takes over, kept for the weights it declines.
+_TORCHAO_SHARDING_HANDLERS: Dict[Any, Callable[..., Any]] = {}
+
+
+def register_nf4_sharding_ops(split: Callable[..., Any], new_zeros: Callable[..., Any]) -> None:
+    """Lets FSDP2 shard any NF4 weight over any world size: ``aten.split.Tensor`` and ``aten.new_zeros.default`` on
+    an ``NF4Tensor`` try ``split`` / ``new_zeros`` first, and torchao's handler where they return None.
+
+    FSDP2's ``fully_shard`` (and so torchtune's ``training.shard_model``) chunks a parameter's rows with
+    ``torch.chunk`` and pads every shard to the first one's size with ``new_zeros``. torchao's handlers (identical in
+    0.15 to 0.18) split an NF4 weight only into equal shards of whole scale groups: ``"quantization_factor.numel() not
+    divisible by 3"`` otherwise. torchtune_ext picks scale groups per shape, so many weights do not divide (a 256 ->
+    192 projection on 3 ranks); ``torchtune_ext.nf4`` supplies padded shards of whole scale groups for those
+    (``UnevenNF4Tensor``, whose FSDP2 hooks gather them) and leaves the even ones to torchao. It calls this when
+    imported (it sits above this module): every NF4 weight torchtune_ext makes comes from it. Idempotent.
+
+    Args:
+        split (Callable[..., Any]): ``split(weight, split_size, dim=0)``: the chunks, or None for torchao's.
+        new_zeros (Callable[..., Any]): ``new_zeros(weight, size, **kwargs)``: a padded shard, or None for torchao's.
+    """
+    import torch
+
+    nf4 = _nf4_module()
+    for op, ours in ((torch.ops.aten.split.Tensor, split), (torch.ops.aten.new_zeros.default, new_zeros)):
+        torchao_handler = _TORCHAO_SHARDING_HANDLERS.setdefault(op, nf4.NF4_OPS_TABLE[op])
+        nf4.implements([op])(_first_then(ours, torchao_handler))
+
+
+def _first_then(ours: Callable[..., Any], torchao_handler: Callable[..., Any]) -> Callable[..., Any]:
+    """An NF4 op handler that returns ``ours(*args, **kwargs)`` unless that is None, then torchao's result."""
+
+    def handler(func, args, kwargs=None):
+        result = ours(*args, **(kwargs or {}))
+        return torchao_handler(func, args, kwargs) if result is None else result
+
+    return handler
 
 
 class _DropRecords:

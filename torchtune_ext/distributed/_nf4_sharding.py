@@ -2,10 +2,11 @@
 
 torchao's ``NF4Tensor`` splits along rows only into equal shards of whole blocks and whole scale groups; that is
 kept wherever the rows and scale groups divide the world size. Elsewhere (Qwen2.5-0.5B's 896x896 at 3 ranks; any
-weight whose last NF4 block is padded) the weight becomes an :class:`~torchtune_ext.nf4.UnevenNF4Tensor`, which
-FSDP2 shards by whole scale groups with the trailing ranks' shards padded, as it pads plain tensors. A weight whose
-padded shard would be as large as the whole weight (a single scale group) saves nothing by sharding and is kept
-whole on every rank (``fully_shard(..., ignored_params=...)``; it is frozen, so no gradient has to be reduced). The
+weight whose last NF4 block is padded) FSDP2's own split of the weight gives :class:`~torchtune_ext.nf4.UnevenNF4Tensor`
+shards, by whole scale groups with the trailing ranks' shards padded, as it pads plain tensors (plain ``fully_shard``
+does this; nothing to prepare). A weight whose padded shard would be as large as the whole weight (a single scale
+group) saves nothing by sharding: :func:`~torchtune_ext.distributed.shard_model` keeps it whole on every rank
+(``fully_shard(..., ignored_params=...)``; it is frozen, so no gradient has to be reduced). The
 start-up log says how many bytes per rank are kept whole and how many are padding; BENCHMARKS.md ("NF4 sharding
 that does not divide") has the measurement behind the choice.
 """
@@ -19,7 +20,7 @@ from torch import nn
 from torchtune import utils
 
 from torchtune_ext.distributed._utils import unwrap_key
-from torchtune_ext.nf4 import NF4_SHARDED_TENSORS, NF4Tensor, UnevenNF4Tensor, nf4_even_world_sizes, nf4_shard_groups
+from torchtune_ext.nf4 import NF4_SHARDED_TENSORS, NF4Tensor, nf4_shard_groups, nf4_uneven_groups
 
 log = utils.get_logger("INFO")
 
@@ -125,7 +126,7 @@ def check_nf4_sharding(model: nn.Module, world_size: int, *, allow_whole: bool =
 def _layout(weight: NF4Tensor, world_size: int) -> str:
     """``"even"`` (torchao's row split), ``"uneven"`` (padded shards of whole scale groups) or ``"whole"`` (a padded
     shard would be as large as the weight)."""
-    if world_size in nf4_even_world_sizes(tuple(weight.shape), weight.scaler_block_size, weight.block_size, world_size):
+    if world_size == 1 or nf4_uneven_groups(weight, -(-weight.shape[0] // world_size)) is None:
         return "even"
     return "uneven" if nf4_shard_groups(weight, world_size) < weight.quantization_factor.numel() else "whole"
 
@@ -155,25 +156,15 @@ def _plan(model: nn.Module, world_size: int, allow_whole: bool) -> NF4ShardingPl
     return NF4ShardingPlan(world_size, tuple(whole), whole_bytes, sharded_bytes, tuple(uneven), max(padding_bytes, 0))
 
 
-def prepare_nf4_sharding(model: nn.Module, world_size: int) -> Set[nn.Parameter]:
-    """Makes the NF4 weights that split unevenly over ``world_size`` ranks :class:`~torchtune_ext.nf4.UnevenNF4Tensor`
-    parameters (same storage), and returns those to keep whole; call it before ``fully_shard``.
-
+def nf4_params_kept_whole(model: nn.Module, world_size: int) -> Set[nn.Parameter]:
+    """
     Args:
         model (nn.Module): the QLoRA model, unsharded.
         world_size (int): the number of ranks.
 
     Returns:
-        Set[nn.Parameter]: the NF4 parameters to keep whole on every rank (``fully_shard``'s ``ignored_params``).
+        Set[nn.Parameter]: the NF4 parameters that sharding over ``world_size`` ranks would not make smaller (a
+        single scale group), to keep whole on every rank (``fully_shard``'s ``ignored_params``).
     """
-    plan = _plan(model, world_size, allow_whole=True)
     weights = nf4_weights(model)
-    replaced = {
-        id(weights[name]): nn.Parameter(UnevenNF4Tensor.from_nf4(weights[name], world_size), requires_grad=False)
-        for name in plan.uneven
-    }
-    for module in model.modules():
-        for key, param in module._parameters.items():
-            if param is not None and id(param) in replaced:
-                module._parameters[key] = replaced[id(param)]
-    return {weights[name] for name in plan.whole}
+    return {weights[name] for name in _plan(model, world_size, allow_whole=True).whole}

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from torchtune_ext.distributed._nf4_sharding import prepare_nf4_sharding
+from torchtune_ext.distributed._nf4_sharding import nf4_params_kept_whole
 
 #: how a vocab-pruning module is distributed (config ``vocab_pruning.sharding``).
 VOCAB_PRUNING_SHARDING = ("sharded", "replicated")
@@ -58,8 +58,9 @@ def shard_model(
         cpu_offload (bool): FSDP CPU offload of params, grads and optimizer state (accelerators only).
 
     NF4 weights whose rows or scale groups do not divide the world size are sharded unevenly by whole scale groups
-    (padded, :class:`torchtune_ext.nf4.UnevenNF4Tensor`); one with a single scale group is kept whole on every rank
-    (:func:`torchtune_ext.distributed.check_nf4_sharding` says which, and logs their bytes per rank).
+    (padded, :class:`torchtune_ext.nf4.UnevenNF4Tensor`: FSDP2's own split of them, as under plain ``fully_shard``);
+    one with a single scale group is kept whole on every rank (:func:`torchtune_ext.distributed.check_nf4_sharding`
+    says which, and logs their bytes per rank).
 
     On a single rank nothing is sharded (FSDP would only add copies, and torchao's NF4 does not support FSDP2's
     single-rank all-gather path): every param stays a plain tensor, as replicated params do.
@@ -81,7 +82,7 @@ def shard_model(
         common["offload_policy"] = CPUOffloadPolicy()
     compute = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    whole = prepare_nf4_sharding(model, world_size)
+    whole = nf4_params_kept_whole(model, world_size)
     ignored = set(whole)
     if vocab_pruning is not None:
         if vocab_pruning_sharding == "sharded":

@@ -1,7 +1,8 @@
 """NF4 tensors: torchao's ``NF4Tensor`` storage, made and read by the project's exact and faster codec.
 
 Everything that creates or decodes an NF4Tensor in torchtune_ext goes through here (the layers in
-``torchtune_ext.modules``, the state-dict tooling in ``torchtune_ext.distributed``, the checkpoint loader).
+``torchtune_ext.modules``, the state-dict tooling in ``torchtune_ext.distributed``, the checkpoint loader). Importing
+it lets FSDP2's ``fully_shard`` shard any NF4 weight over any world size (``UnevenNF4Tensor``).
 """
 
 from torchtune_ext._compat import NF4Tensor, to_nf4
@@ -22,7 +23,13 @@ from torchtune_ext.nf4._codec import (
     nf4_scaler_mean,
     quantize_nf4,
 )
-from torchtune_ext.nf4._uneven import UnevenNF4Tensor, nf4_groups_per_rank, nf4_shard_groups, quantize_nf4_shard
+from torchtune_ext.nf4._uneven import (
+    UnevenNF4Tensor,
+    nf4_groups_per_rank,
+    nf4_shard_groups,
+    nf4_uneven_groups,
+    quantize_nf4_shard,
+)
 
 __all__ = [
     "NF4Tensor",
@@ -40,6 +47,7 @@ __all__ = [
     "nf4_from_inner",
     "nf4_groups_per_rank",
     "nf4_shard_groups",
+    "nf4_uneven_groups",
     "nf4_n_blocks",
     "nf4_scaler_block_size",
     "nf4_scaler_mean",

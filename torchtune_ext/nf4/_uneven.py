@@ -1,33 +1,39 @@
 """NF4 weights sharded unevenly by FSDP2: whole scale groups per rank, the trailing ranks' shards padded.
 
 Why a fork of torchao's NF4Tensor FSDP2 support: torchao (``nf4_tensor.py``) splits an NF4 weight only into equal
-row shards: its ``aten.split`` asserts that every inner tensor divides by the number of chunks, its ``aten.slice``
-refuses an end short of the shard (FSDP2 narrows the last rank's padded shard so), it has no ``aten.new_empty``
-(FSDP2 makes the empty shards of ranks past the last row so), and its ``fsdp_post_all_gather`` sizes the gathered
-weight as the local rows times the world size, which differs per rank when the rows do not divide. FSDP2 shards a
-plain tensor unevenly: ``torch.chunk`` of the rows (``ceil(rows / world_size)`` each), every rank's shard padded to
-the first one's size, the gathered tensor cut back. A row shard of an NF4 weight would cut a scale group (or a
-block) in two, so an :class:`UnevenNF4Tensor` chunks its *inner* tensors by whole scale groups instead: chunk ``i``
-of FSDP's row chunks holds scale groups ``[i * g, (i + 1) * g)`` with ``g = ceil(groups / n)`` over the ``n``
-non-empty row chunks (:func:`nf4_groups_per_rank`), padded with zeros to ``g`` groups, so that every rank gathers
-inputs of one size and the gathered inner tensors are the whole weight's plus zero padding at the end, which
+row shards: its ``aten.split`` asserts that every inner tensor divides by the number of chunks, its ``aten.new_zeros``
+that the padded shard divides the weight, its ``aten.slice`` refuses an end short of the shard (FSDP2 narrows the
+last rank's padded shard so), it has no ``aten.new_empty`` (FSDP2 makes the empty shards of ranks past the last row
+so), and its ``fsdp_post_all_gather`` sizes the gathered weight as the local rows times the world size, which differs
+per rank when the rows do not divide. FSDP2 shards a plain tensor unevenly: ``torch.chunk`` of the rows
+(``ceil(rows / world_size)`` each), every rank's shard padded to the first one's size, the gathered tensor cut back.
+A row shard of an NF4 weight would cut a scale group (or a block) in two, so the chunks of an NF4 weight that does
+not split evenly are :class:`UnevenNF4Tensor` shards of its *inner* tensors, by whole scale groups: chunk ``i`` of
+FSDP's row chunks holds scale groups ``[i * g, (i + 1) * g)`` with ``g = ceil(groups / n)`` over the ``n`` non-empty
+row chunks (:func:`nf4_uneven_groups`), padded with zeros to ``g`` groups, so that every rank gathers inputs of one
+size and the gathered inner tensors are the whole weight's plus zero padding at the end, which
 :meth:`UnevenNF4Tensor.fsdp_post_all_gather` cuts off. A shard's row shape is FSDP's (for DTensor metadata), its
-values are its scale groups: only the gather (and the state-dict tooling, through :func:`nf4_shard_groups`) reads
-them. Where the rows and groups split evenly this is torchao's layout exactly.
+values are its scale groups: only the gather (and the state-dict tooling) reads them.
 
-Forked: split, new_zeros, new_empty, slice and copy_ (the ops FSDP2 applies to an unevenly sharded parameter), and the
-two FSDP2 hooks. Every other op (and torchao's torch-function handlers: narrow, to, ...) is torchao's, its NF4
-result re-wrapped in the subclass.
+The layout depends only on the weight and FSDP's rows per chunk, so each rank decides alone: :func:`nf4_split` and
+:func:`nf4_new_zeros` (the ops ``fully_shard`` applies to the whole weight) are registered for every ``NF4Tensor``
+through :func:`torchtune_ext._compat.register_nf4_sharding_ops` when this module is imported, and return None
+(torchao's own split) where the rows and scale groups split evenly. Plain ``fully_shard`` and torchtune's
+``training.shard_model`` therefore shard any NF4 weight over any world size; the caller prepares nothing.
+
+Forked on the shards: new_zeros, new_empty, slice and copy_ (the ops FSDP2 applies to an unevenly sharded
+parameter), and the two FSDP2 hooks. Every other op (and torchao's torch-function handlers: narrow, to, ...) is
+torchao's, its NF4 result re-wrapped in the subclass.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from torchtune_ext._compat import NF4Tensor
+from torchtune_ext._compat import NF4Tensor, register_nf4_sharding_ops
 from torchtune_ext.nf4._codec import (
     _NF4_LEVELS,
     NF4_SHARDED_TENSORS,
@@ -73,6 +79,25 @@ def nf4_shard_groups(weight: NF4Tensor, world_size: int) -> int:
     return nf4_groups_per_rank(weight.shape[0], groups, world_size)
 
 
+def nf4_uneven_groups(weight: NF4Tensor, shard_rows: int) -> Optional[int]:
+    """The scale groups of each (padded) shard when FSDP2 chunks ``weight`` by ``shard_rows`` rows, or None where
+    torchao's even split applies: the rows, whole blocks and scale groups divide into the chunks, and no rank can be
+    left without rows (FSDP2 gives the ranks past the last chunk empty shards, which torchao's layout cannot pad; that
+    happens only with no more rows per chunk than chunks, so where there are more the chunks are the world size).
+
+    Args:
+        weight (NF4Tensor): the whole weight (meta is fine).
+        shard_rows (int): the rows of FSDP2's first (padded) chunk, ``ceil(rows / world_size)``.
+
+    Returns:
+        Optional[int]: ``ceil(groups / n)`` over the ``n`` non-empty chunks; None for torchao's layout.
+    """
+    rows, groups = weight.shape[0], weight.quantization_factor.numel()
+    chunks = -(-rows // shard_rows)
+    even = rows % shard_rows == 0 and groups % chunks == 0 and weight.numel() % weight.block_size == 0
+    return None if even and shard_rows > chunks else -(-groups // chunks)
+
+
 def _inner_sizes(weight: NF4Tensor, groups: int) -> Dict[str, int]:
     """The lengths of the sharded inner tensors that hold ``groups`` scale groups."""
     blocks = groups * weight.scaler_block_size
@@ -81,7 +106,7 @@ def _inner_sizes(weight: NF4Tensor, groups: int) -> Dict[str, int]:
 
 
 class UnevenNF4Tensor(NF4Tensor):
-    """An NF4 weight (whole, or one rank's shard) that FSDP2 shards by whole scale groups (see the module docstring).
+    """One rank's shard of an NF4 weight that FSDP2 shards by whole scale groups (see the module docstring).
 
     Attributes beyond ``NF4Tensor``'s:
         full_shape (torch.Size): the whole weight's shape.
@@ -90,19 +115,6 @@ class UnevenNF4Tensor(NF4Tensor):
 
     full_shape: torch.Size
     groups_per_rank: int
-
-    @classmethod
-    def from_nf4(cls, weight: NF4Tensor, world_size: int) -> UnevenNF4Tensor:
-        """The whole ``weight``, to be sharded over ``world_size`` ranks (shares its inner tensors).
-
-        Args:
-            weight (NF4Tensor): a whole, contiguous NF4 weight.
-            world_size (int): the number of ranks.
-
-        Returns:
-            UnevenNF4Tensor: the same weight.
-        """
-        return _wrap(weight, weight.shape, nf4_shard_groups(weight, world_size))
 
     @classmethod
     @torch._dynamo.disable
@@ -173,39 +185,88 @@ def _wrap(
     return result
 
 
-def _split(weight: UnevenNF4Tensor, split_size: int, dim: int = 0) -> list:
-    """FSDP2's ``torch.chunk`` of the whole weight: row chunks of ``split_size``, each with its scale groups."""
-    if dim != 0 or weight.shape != weight.full_shape:
-        raise NotImplementedError(f"aten.split(UnevenNF4Tensor) of a shard or along dim {dim}")
-    rows, group = weight.shape[0], weight.groups_per_rank
-    lengths = _inner_sizes(weight, group)
+def nf4_split(weight: NF4Tensor, split_size: int, dim: int = 0) -> Optional[List[UnevenNF4Tensor]]:
+    """FSDP2's ``torch.chunk`` of a whole NF4 weight that does not split evenly: row chunks of ``split_size``, each
+    with its scale groups (:func:`nf4_uneven_groups`); None where torchao's even split applies.
+
+    Args:
+        weight (NF4Tensor): the whole, contiguous 2-D weight.
+        split_size (int): rows per chunk.
+        dim (int): the split dimension (only 0 is FSDP's; other dims are left to torchao, which refuses them).
+
+    Returns:
+        Optional[List[UnevenNF4Tensor]]: the chunks, or None.
+
+    Raises:
+        NotImplementedError: on a shard (shards are not split again).
+    """
+    if isinstance(weight, UnevenNF4Tensor):
+        raise NotImplementedError("aten.split of an UnevenNF4Tensor (a shard of an NF4 weight)")
+    if dim != 0 or weight.dim() != 2:
+        return None
+    groups = nf4_uneven_groups(weight, split_size)
+    if groups is None:
+        return None
+    rows, lengths = weight.shape[0], _inner_sizes(weight, groups)
     chunks = []
     for index, start in enumerate(range(0, rows, split_size)):
         size = (min(split_size, rows - start), *weight.shape[1:])
         inner = {name: getattr(weight, name)[index * n : (index + 1) * n] for name, n in lengths.items()}
-        chunks.append(_wrap(weight, weight.full_shape, group, size, **inner))
+        chunks.append(_wrap(weight, weight.shape, groups, size, **inner))
     return chunks
 
 
-def _new_shard(weight: UnevenNF4Tensor, size: Sequence[int], make: Callable[..., torch.Tensor], groups: int, **kwargs):
+def nf4_new_zeros(weight: NF4Tensor, size: Sequence[int], **kwargs: Any) -> Optional[UnevenNF4Tensor]:
+    """FSDP2's padded shard of a whole NF4 weight that does not split evenly: ``size`` is its first chunk's (the
+    rows per chunk, :func:`nf4_split`); zeros of whole scale groups. None where torchao's handler applies (an even
+    split, or a size that is not a row chunk).
+
+    Args:
+        weight (NF4Tensor): the whole, contiguous 2-D weight.
+        size (Sequence[int]): the padded shard's shape.
+        **kwargs (Any): ``new_zeros``'s (``device``; the inner tensors keep their dtypes).
+
+    Returns:
+        Optional[UnevenNF4Tensor]: the padded shard, or None.
+    """
+    size = tuple(size)
+    if weight.dim() != 2 or len(size) != 2 or size[1] != weight.shape[1] or not 0 < size[0] <= weight.shape[0]:
+        return None
+    groups = nf4_uneven_groups(weight, size[0])
+    if groups is None:
+        return None
+    return _new_shard(weight, weight.shape, groups, size, torch.zeros, groups, **kwargs)
+
+
+def _new_shard(
+    weight: NF4Tensor,
+    full_shape: Sequence[int],
+    groups_per_rank: int,
+    size: Sequence[int],
+    make: Callable[..., torch.Tensor],
+    groups: int,
+    **kwargs: Any,
+) -> UnevenNF4Tensor:
+    """A shard of outer ``size`` on new inner tensors (``make``) of ``groups`` scale groups."""
     device = kwargs.get("device") or weight.device
     inner = {
         name: make(n, dtype=getattr(weight, name).dtype, device=device)
         for name, n in _inner_sizes(weight, groups).items()
     }
-    return _wrap(weight, weight.full_shape, weight.groups_per_rank, size, **inner)
+    return _wrap(weight, full_shape, groups_per_rank, size, **inner)
 
 
 def _new_zeros(weight: UnevenNF4Tensor, size: Sequence[int], **kwargs: Any) -> UnevenNF4Tensor:
     """A padded shard of zeros (FSDP2 pads each rank's shard into one)."""
-    return _new_shard(weight, size, torch.zeros, weight.groups_per_rank, **kwargs)
+    groups = weight.groups_per_rank
+    return _new_shard(weight, weight.full_shape, groups, size, torch.zeros, groups, **kwargs)
 
 
 def _new_empty(weight: UnevenNF4Tensor, size: Sequence[int], **kwargs: Any) -> UnevenNF4Tensor:
     """An empty shard (FSDP2's chunk of a rank past the last row)."""
     if math.prod(size) != 0:
         raise NotImplementedError(f"aten.new_empty(UnevenNF4Tensor) of size {list(size)}")
-    return _new_shard(weight, size, torch.empty, 0, **kwargs)
+    return _new_shard(weight, weight.full_shape, weight.groups_per_rank, size, torch.empty, 0, **kwargs)
 
 
 def _slice(weight: UnevenNF4Tensor, dim: int = 0, start: Optional[int] = 0, end: Optional[int] = None, step: int = 1):
@@ -230,7 +291,7 @@ def _copy(target: UnevenNF4Tensor, source: torch.Tensor, non_blocking: bool = Fa
 
 
 _HANDLERS: Dict[Any, Callable[..., Any]] = {
-    aten.split.Tensor: _split,
+    aten.split.Tensor: nf4_split,
     aten.new_zeros.default: _new_zeros,
     aten.new_empty.default: _new_empty,
     aten.slice.Tensor: _slice,
@@ -254,7 +315,7 @@ def quantize_nf4_shard(full: torch.Tensor, shard: UnevenNF4Tensor, rank: int) ->
     group = shard.groups_per_rank
     flat = full.to(shard.dtype).reshape(-1)
     start, stop = min(flat.numel(), rank * group * values), min(flat.numel(), (rank + 1) * group * values)
-    padded = _new_shard(shard, shard.shape, torch.zeros, group, device=full.device)
+    padded = _new_shard(shard, shard.full_shape, group, shard.shape, torch.zeros, group, device=full.device)
     padded.scaler_mean = nf4_scaler_mean(full, shard.dtype, shard.block_size)
     padded.nf4 = torch.tensor(_NF4_LEVELS, dtype=shard.dtype, device=full.device)
     if stop > start:  # a rank past the last scale group holds padding only
@@ -264,3 +325,6 @@ def quantize_nf4_shard(full: torch.Tensor, shard: UnevenNF4Tensor, rank: int) ->
             value = getattr(quantized, name)
             getattr(padded, name)[: value.numel()].copy_(value)
     return padded
+
+
+register_nf4_sharding_ops(split=nf4_split, new_zeros=nf4_new_zeros)

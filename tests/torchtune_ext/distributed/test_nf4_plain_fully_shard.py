@@ -1,0 +1,151 @@
+"""A QLoRA model whose NF4 weights do not split evenly, sharded by plain ``fully_shard`` and by torchtune's own
+``training.shard_model`` (nothing prepared), on 2, 3 and 4 real gloo ranks: the full state dict (NF4 bit for bit)
+and three AdamW steps equal a single process and the project's ``shard_model``.
+
+The model is a tiny Qwen3 (head_dim 48, MLP 97) whose NF4 weights are 192x256 (the 256 -> 192 q/k/v projections,
+8 scale groups), 256x192 (8), 97x256 (4) and 256x97 (4): at 3 ranks none splits evenly (torchao refused them all:
+"quantization_factor.numel() not divisible by 3"); at 2 and 4 ranks the 97-row MLP weights do not, the others do
+(torchao's own layout).
+"""
+
+from typing import Callable, Dict, List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from conftest import run_distributed
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torchtune import training
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+from torchtune_ext import models
+from torchtune_ext.distributed import get_full_state_dict, shard_model
+from torchtune_ext.models import materialize_
+from torchtune_ext.nf4 import NF4Tensor, UnevenNF4Tensor
+
+ARCH = dict(
+    vocab_size=128, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=48, embed_dim=256, intermediate_dim=97,
+    max_seq_len=64, tie_word_embeddings=True, lora_rank=4, lora_alpha=8,
+)  # fmt: skip
+INNER = ("quantized_scalers", "quantization_factor", "quantized_data", "scaler_mean")
+# SGD: a sharded step differs from one process's by float rounding only (Adam's first steps are lr * sign(grad),
+# which turns rounding of a near-zero gradient into a difference of lr).
+STEPS, ROWS_PER_RANK, SEQ, LR = 3, 2, 10, 1.0
+
+
+def _build(device: str) -> nn.Module:
+    model = models.qlora_qwen3(["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
+                               dtype=torch.float32, device=device, seed=0, **ARCH)  # fmt: skip
+    set_trainable_params(model, get_adapter_params(model))
+    return model
+
+
+def _plain(model: nn.Module) -> None:
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def _torchtune(model: nn.Module) -> None:
+    training.shard_model(model, [training.get_shard_conditions], cpu_offload=False)
+
+
+def _ours(model: nn.Module) -> None:
+    shard_model(model, dtype=torch.float32)
+
+
+def _batch(world_size: int, step: int):
+    gen = torch.Generator().manual_seed(step)
+    shape = (world_size * ROWS_PER_RANK, SEQ)
+    return torch.randint(0, ARCH["vocab_size"], shape, generator=gen), torch.randint(0, 128, shape, generator=gen)
+
+
+def _token_losses(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), reduction="none")
+
+
+def _train(model: nn.Module, world_size: int, rank: Optional[int], summed: bool = False) -> List[float]:
+    """SGD steps on the global batch's rows of ``rank`` (None: all rows, one process); returns the global mean
+    losses. ``summed``: gradients are summed over ranks (the project's ``shard_model``), so each rank divides its loss
+    by the global token count; else FSDP2 averages them, so each rank takes its own mean."""
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for step in range(STEPS):
+        tokens, labels = _batch(world_size, step)
+        rows = slice(None) if rank is None else slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+        token_losses = _token_losses(model, tokens[rows], labels[rows])
+        loss = token_losses.sum() / labels.numel() if summed else token_losses.mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        if rank is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM if summed else dist.ReduceOp.AVG)
+        losses.append(total.item())
+    return losses
+
+
+def _check_state(model: nn.Module, reference: nn.Module, rank: int, what: str) -> None:
+    """The full state dict equals the single process's, the NF4 weights' inner tensors bit for bit."""
+    nf4 = get_full_state_dict(model, is_rank_zero=rank == 0, keep_nf4=True, include_keys="*.weight")
+    dense = get_full_state_dict(model, is_rank_zero=rank == 0)
+    if rank != 0:
+        return
+    expected = reference.state_dict()  # NF4 weights dequantized
+    assert dense.keys() == expected.keys(), what
+    for key, value in dense.items():
+        assert torch.equal(value, expected[key]), (what, key)
+    weights = {key: value for key, value in reference.named_parameters() if isinstance(value, NF4Tensor)}
+    assert len(weights) == 7 * ARCH["num_layers"], what
+    for key, weight in weights.items():
+        assert isinstance(nf4[key], NF4Tensor), (what, key)
+        for name in INNER:
+            assert torch.equal(getattr(nf4[key], name), getattr(weight, name)), (what, key, name)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6, msg=lambda message: f"{what}: {message}")
+
+
+def _adapters(model: nn.Module, rank: int) -> Dict[str, torch.Tensor]:
+    return get_full_state_dict(model, is_rank_zero=rank == 0, adapter_weights_only=True)
+
+
+def _worker(rank: int, world_size: int) -> None:
+    reference = _build("cpu")
+    sharded: Dict[str, nn.Module] = {}
+    shard: Dict[str, Callable[[nn.Module], None]] = {"ours": _ours, "plain": _plain, "torchtune": _torchtune}
+    for what, apply in shard.items():
+        # torchtune's sharding on the meta device, then filled by the project's loader; the others from real weights.
+        model = _build("meta" if what == "torchtune" else "cpu")
+        apply(model)
+        if what == "torchtune":
+            materialize_(model, "cpu", seed=0)
+        sharded[what] = model
+    locals_ = {n: p._local_tensor for n, p in sharded["plain"].named_parameters() if isinstance(p, DTensor)}
+    uneven = {n for n, local in locals_.items() if isinstance(local, UnevenNF4Tensor)}
+    even = {n for n, local in locals_.items() if type(local) is NF4Tensor}
+    assert uneven and (even if world_size != 3 else not even), (sorted(uneven), sorted(even))
+    for what, model in sharded.items():
+        _check_state(model, reference, rank, what)
+    expected_losses = _train(reference, world_size, None)
+    expected = reference.state_dict()
+    moved = [value.abs().max().item() for key, value in expected.items() if "lora_b" in key]  # zero at the start
+    assert len(moved) == 7 * ARCH["num_layers"] and min(moved) > 1e-3, moved
+    for what, model in sharded.items():
+        losses = _train(model, world_size, rank, summed=what == "ours")
+        torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=0, msg=f"{what}: {losses}")
+        adapters = _adapters(model, rank)
+        if rank == 0:
+            assert adapters and all("lora_" in key for key in adapters), what
+            for key, value in adapters.items():
+                close(value, expected[key], f"{what} {key}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_plain_fully_shard_and_torchtune_shard_model_equal_one_process_and_ours(world_size):
+    run_distributed(_worker, world_size)
