@@ -1,15 +1,81 @@
 """Shared test helpers. ``run_distributed`` runs a function on a real multi-process gloo group;
-``tiny_trained_state`` gives a tiny QLoRA model as a trained recipe holds it, with the recipe's checkpointer."""
+``tiny_trained_state`` gives a tiny QLoRA model as a trained recipe holds it, with the recipe's checkpointer;
+``run_main`` calls a command's entry point in this process, as its console script would run it.
 
+The test lanes: plain ``pytest`` runs the fast lane, the in-process tests (``addopts`` in pyproject.toml deselects
+the markers of the slow lane: ``integration_test``, ``distributed``, ``slow``, ``real_model``); ``.ci/run`` runs
+both (``-m`` on the command line replaces the default one).
+"""
+
+import importlib.util
 import os
+import signal
 import socket
+import subprocess
+import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, Tuple
+from types import ModuleType
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch.multiprocessing as mp
 
 DIST_TIMEOUT_S = 120
+#: what a worker of ``tune run --nproc_per_node`` / ``torchrun`` has in its environment (a test runs as none).
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHTUNE_EXT_CONFIG_ERROR_DIR", "TORCHTUNE_EXT_TRACEBACK")
+
+
+def load_recipe(path: Path) -> ModuleType:
+    """The recipe file at ``path`` imported as a module of its own (not ``__main__``: its entry point does not run)."""
+    spec = importlib.util.spec_from_file_location(f"test_recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_main(
+    main: Callable[[], Any],
+    argv: Sequence[str],
+    monkeypatch: Any,
+    capfd: Any,
+    cwd: Optional[Path] = None,
+    **env: str,
+) -> subprocess.CompletedProcess:
+    """Runs an entry point (a recipe's ``recipe_main``, the CLI's ``main``) in this process as its console script
+    would: ``sys.argv`` set to ``argv``, ``env`` added to an environment without a launcher's or the traceback
+    switch's variables, in ``cwd``. Its ``SystemExit`` is the exit code; another exception is what the interpreter
+    makes of it (its traceback on stderr, exit code 1). What it printed is read at the file-descriptor level
+    (``capfd``).
+
+    Returns:
+        subprocess.CompletedProcess: ``argv``, the exit code, and what it wrote to stdout and stderr.
+    """
+    for name in _LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", list(argv))
+    if cwd is not None:
+        monkeypatch.chdir(cwd)
+    capfd.readouterr()  # what earlier code printed is not this run's
+    sigterm = signal.getsignal(signal.SIGTERM)  # a config error's exit ignores SIGTERM (rank 0, for torchrun)
+    code: Any = 0
+    try:
+        main()
+    except SystemExit as stop:
+        code = stop.code
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    printed = capfd.readouterr()
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("message"): Python prints it and exits 1
+        printed = printed._replace(err=f"{printed.err}{code}\n")
+        code = 1
+    return subprocess.CompletedProcess(list(argv), code, printed.out, printed.err)
 
 
 def free_port() -> int:

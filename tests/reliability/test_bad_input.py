@@ -3,21 +3,26 @@ fix), before anything is written under ``output_dir`` (a fresh output folder is 
 left byte for byte as it was).
 
 Most cases call the single-device recipe's constructor and ``setup`` in-process (fast, and the exception text is
-exact). Cases where the exit code or the launcher matters go through ``tune run`` (the output folder that cannot be
-written; more ranks than samples; kept vocab ids out of range, which only the distributed recipe takes). The
-state-dict tooling's argument errors are library calls.
+exact). The printed lines and the exit code come from the recipes' entry points (``recipe_main``), also called
+in-process, as ``tune run`` calls them (``conftest.run_main``). Real processes (the slow lane: ``integration_test``)
+only where the process is the point: one config error through ``tune run`` (its exit code 2 and lines), the
+distributed recipe under torchrun (more ranks than samples; kept vocab ids out of range, which only the distributed
+recipe takes; a config error on 2 ranks printed once). The state-dict tooling's argument errors are library calls.
 """
 
-import importlib.util
+import functools
 import json
 import os
 import shutil
 import subprocess
 from pathlib import Path
+from types import ModuleType
 from typing import Dict, List
 
+import psutil
 import pytest
 import torch
+from conftest import load_recipe, run_main
 from omegaconf import OmegaConf
 from reliability_utils import (
     DIST_CONFIG,
@@ -37,8 +42,6 @@ from torchtune_ext import _dtype
 from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE, TRACEBACK_ENV
 from torchtune_ext.data import write_tiny_checkpoint
 
-pytestmark = [pytest.mark.integration_test]
-
 VOCAB_SIZE = 512
 ALPACA = "dataset._component_=torchtune.datasets.alpaca_dataset"
 #: a device type this machine lacks (the check lists the ones it has).
@@ -48,10 +51,7 @@ RENAMED_FROM, RENAMED_TO = "model.layers.0.mlp.gate_proj.weight", "model.layers.
 
 @pytest.fixture(scope="module")
 def recipe_module():
-    spec = importlib.util.spec_from_file_location("reliability_bad_input_recipe", REPO / SINGLE_RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(REPO / SINGLE_RECIPE)
 
 
 def _cfg(out: Path, checkpoint_dir: Path, overrides: List[str]):
@@ -339,24 +339,27 @@ def test_single_device_bad_input_fails_before_writing(
         assert not out.exists()
 
 
-# ---------------------------------------------------------------------------------------------------- tune run
+# ------------------------------------------------------------------------------------- entry points (tune run)
 
 
-def test_output_folder_not_writable_fails_with_exit_code(inputs, tmp_path):
+def _recipe_main(recipe_module, overrides: List[str], monkeypatch, capfd, **env: str) -> subprocess.CompletedProcess:
+    """The single-device recipe's entry point on the tiny config, in this process, as ``tune run`` calls it."""
+    argv = [SINGLE_RECIPE, "--config", str(SINGLE_CONFIG), *overrides]
+    return run_main(recipe_module.recipe_main, argv, monkeypatch, capfd, cwd=REPO, **env)
+
+
+def test_output_folder_not_writable_fails_with_exit_code(recipe_module, inputs, monkeypatch, capfd):
     out = inputs["a_file"] / "out"  # a folder below a regular file can never be created (even by root)
-    run = tune(
-        SINGLE_RECIPE,
-        SINGLE_CONFIG,
-        [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}", "dataset.num_samples=32"],
-        tmp_path / "run.log",
-    )
-    rc = run.wait()
-    assert rc != 0
-    assert_no_leftovers([run])
-    assert f"output_dir={str(out)!r} is not writable" in run.output, run.output[-3000:]
+    children = psutil.Process().children(recursive=True)
+    overrides = [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}", "dataset.num_samples=32"]
+    run = _recipe_main(recipe_module, overrides, monkeypatch, capfd)
+    assert run.returncode != 0
+    assert psutil.Process().children(recursive=True) == children  # it started no process
+    assert f"output_dir={str(out)!r} is not writable" in run.stderr, run.stderr[-3000:]
     assert inputs["a_file"].read_text() == "not a folder"
 
 
+@pytest.mark.integration_test
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "nproc, overrides, message",
@@ -522,19 +525,14 @@ ONE_LINE_CASES = [
 ]
 
 
-def _recipe_run(overrides: List[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+def _recipe_run(overrides: List[str], cwd: Path) -> subprocess.CompletedProcess:
     """``tune run`` of the single-device recipe on the tiny config, with the inherited environment."""
-    full_env = {**{k: v for k, v in os.environ.items() if k != TRACEBACK_ENV}, "OMP_NUM_THREADS": "1", **env}
+    full_env = {**{k: v for k, v in os.environ.items() if k != TRACEBACK_ENV}, "OMP_NUM_THREADS": "1"}
     args = [str(TUNE), "run", SINGLE_RECIPE, "--config", str(SINGLE_CONFIG), *overrides]
     return subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("overrides, lines", ONE_LINE_CASES)
-def test_config_errors_print_one_line_each_and_exit_2(inputs, tmp_path, overrides, lines):
-    out = tmp_path / "out"
-    values = {**{k: str(v) for k, v in inputs.items()}, "out": str(out)}
-    paths = [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}"]
-    run = _recipe_run([*paths, *[o.format(**values) for o in overrides]], REPO)
+def _assert_one_line_each(run: subprocess.CompletedProcess, lines: List[str], values: Dict[str, str]) -> None:
     assert run.returncode == CONFIG_ERROR_EXIT_CODE, run.stderr[-4000:]
     output = run.stdout + run.stderr
     assert "Traceback" not in output, output[-4000:]
@@ -542,11 +540,35 @@ def test_config_errors_print_one_line_each_and_exit_2(inputs, tmp_path, override
     assert len(errors) == len(lines), output[-4000:]
     for error, expected in zip(errors, lines):
         assert expected.format(**values) in error, error
+
+
+@pytest.mark.parametrize("overrides, lines", ONE_LINE_CASES)
+def test_config_errors_print_one_line_each_and_exit_2(
+    recipe_module, inputs, tmp_path, monkeypatch, capfd, overrides, lines
+):
+    out = tmp_path / "out"
+    values = {**{k: str(v) for k, v in inputs.items()}, "out": str(out)}
+    paths = [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}"]
+    run = _recipe_main(recipe_module, [*paths, *[o.format(**values) for o in overrides]], monkeypatch, capfd)
+    _assert_one_line_each(run, lines, values)
+    assert not out.exists()
+
+
+@pytest.mark.integration_test
+def test_tune_run_prints_the_lines_and_exits_2(inputs, tmp_path):
+    """The same through ``tune run`` in a process of its own: the exit code and the lines a user gets."""
+    out = tmp_path / "out"
+    paths = [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}"]
+    run = _recipe_run([*paths, "dtpye=fp32", "model.lora_rank=0"], REPO)
+    lines = ["unknown key 'dtpye': did you mean 'dtype'?", "model.lora_rank=0 must be an integer >= 1 (e.g. 8, 16, 64)"]
+    _assert_one_line_each(run, lines, {})
     assert not out.exists()
 
 
 @pytest.mark.parametrize("damage", ["garbage", "code"])
-def test_an_unusable_recipe_state_prints_one_line_and_exits_2(inputs, tmp_path, damage):
+def test_an_unusable_recipe_state_prints_one_line_and_exits_2(
+    recipe_module, inputs, tmp_path, monkeypatch, capfd, damage
+):
     """A resume from a recipe state that cannot be read, or that carries code, with nothing older to fall back to:
     one line naming the file and the fix, exit 2, nothing written (and the code never runs)."""
     out = tmp_path / "out"
@@ -564,9 +586,8 @@ def test_an_unusable_recipe_state_prints_one_line_and_exits_2(inputs, tmp_path, 
     else:
         _damage(state_file, damage)
     before = snapshot(out)
-    run = _recipe_run(
-        [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}", "resume_from_checkpoint=True"], REPO
-    )
+    overrides = [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}", "resume_from_checkpoint=True"]
+    run = _recipe_main(recipe_module, overrides, monkeypatch, capfd)
     output = run.stdout + run.stderr
     assert run.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
@@ -577,7 +598,7 @@ def test_an_unusable_recipe_state_prints_one_line_and_exits_2(inputs, tmp_path, 
     assert not marker.exists()
 
 
-def test_a_resume_that_differs_prints_its_lines_and_exits_2(inputs, tmp_path):
+def test_a_resume_that_differs_prints_its_lines_and_exits_2(recipe_module, inputs, tmp_path, monkeypatch, capfd):
     """The refusal of a resume into another run's state: one line per difference, exit 2, no traceback, and the
     saved run left as it was."""
     out = tmp_path / "out"
@@ -593,7 +614,9 @@ def test_a_resume_that_differs_prints_its_lines_and_exits_2(inputs, tmp_path):
         "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
         f"metric_logger.log_dir={out}/logs",
     ]
-    run = _recipe_run([*same_run, "resume_from_checkpoint=True", "model.lora_rank=8"], REPO)
+    run = _recipe_main(
+        recipe_module, [*same_run, "resume_from_checkpoint=True", "model.lora_rank=8"], monkeypatch, capfd
+    )
     output = run.stdout + run.stderr
     assert run.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
@@ -616,18 +639,26 @@ def test_a_resume_that_differs_prints_its_lines_and_exits_2(inputs, tmp_path):
     ],
     ids=["another_runs_state", "resume_and_overwrite"],
 )  # fmt: skip
-def test_a_used_output_dir_prints_one_line_and_exits_2(inputs, tmp_path, flags, line):
+def test_a_used_output_dir_prints_one_line_and_exits_2(
+    recipe_module, inputs, tmp_path, monkeypatch, capfd, flags, line
+):
     """A second run into an output_dir holding another run's checkpoints is refused before it writes anything."""
     out = tmp_path / "out"
     shutil.copytree(inputs["trained"], out)
     before = snapshot(out)
-    run = _recipe_run([f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}", *flags], REPO)
+    overrides = [f"output_dir={out}", f"checkpointer.checkpoint_dir={inputs['base']}", *flags]
+    run = _recipe_main(recipe_module, overrides, monkeypatch, capfd)
     output = run.stdout + run.stderr
     assert run.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
     errors = [line for line in output.splitlines() if line.startswith("qlora_finetune_single_device: error: ")]
     assert len(errors) == 1 and line in errors[0], output[-4000:]
     assert snapshot(out) == before
+
+
+@functools.cache
+def _use_recipe(name: str) -> ModuleType:
+    return load_recipe(REPO / "recipes" / f"{name}.py")
 
 
 @pytest.mark.parametrize(
@@ -665,16 +696,17 @@ def test_a_used_output_dir_prints_one_line_and_exits_2(inputs, tmp_path, flags, 
         "generate-top_p_above_1", "eval-missing_adapter", "eval-merged_dir_not_a_model",
     ],
 )  # fmt: skip
-def test_use_recipe_config_errors_print_one_line_and_exit_2(inputs, tmp_path, recipe, overrides, line):
+def test_use_recipe_config_errors_print_one_line_and_exit_2(
+    inputs, tmp_path, monkeypatch, capfd, recipe, overrides, line
+):
     """The generation and evaluation recipes check their config before they load anything, as training does."""
     overrides, line = [o.format(trained=inputs["trained"]) for o in overrides], line.format(trained=inputs["trained"])
-    full_env = {**{k: v for k, v in os.environ.items() if k != TRACEBACK_ENV}, "OMP_NUM_THREADS": "1"}
     config = REPO / "configs" / "tiny" / ("generation.yaml" if recipe == "generate" else "eleuther_eval.yaml")
     written = tmp_path / "written.json"
     paths = [f"checkpointer.checkpoint_dir={inputs['base']}", "adapter_dir=null"]
     paths.append(f"answers_file={written}" if recipe == "generate" else f"output_file={written}")
-    args = [str(TUNE), "run", f"recipes/{recipe}.py", "--config", str(config), *paths, *overrides]
-    run = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    argv = [f"recipes/{recipe}.py", "--config", str(config), *paths, *overrides]
+    run = run_main(_use_recipe(recipe).recipe_main, argv, monkeypatch, capfd, cwd=REPO)
     output = run.stdout + run.stderr
     assert run.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
@@ -683,6 +715,7 @@ def test_use_recipe_config_errors_print_one_line_and_exit_2(inputs, tmp_path, re
     assert not written.exists() and "Loaded" not in output
 
 
+@pytest.mark.integration_test
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "override, line",
@@ -713,8 +746,10 @@ def test_a_config_error_on_2_ranks_prints_its_line_once(tmp_path, override, line
     assert not out.exists() and not base.exists()
 
 
-def test_the_traceback_on_request(inputs, tmp_path):
-    run = _recipe_run([f"output_dir={tmp_path / 'out'}", "dtpye=fp32"], REPO, **{TRACEBACK_ENV: "1"})
+def test_the_traceback_on_request(recipe_module, tmp_path, monkeypatch, capfd):
+    run = _recipe_main(
+        recipe_module, [f"output_dir={tmp_path / 'out'}", "dtpye=fp32"], monkeypatch, capfd, **{TRACEBACK_ENV: "1"}
+    )
     assert run.returncode == 1
     assert "Traceback (most recent call last)" in run.stderr
     assert "ConfigError: unknown key 'dtpye': did you mean 'dtype'?" in run.stderr

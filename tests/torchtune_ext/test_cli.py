@@ -1,7 +1,8 @@
 """``tune-ext ls/cp/run``: the recipes and configs that ship in the package, run by name from any folder.
 
 In the CI matrix's torch 2.14.1 environment the package is installed from its wheel (not editable), so there these
-tests check what a plain ``pip install`` gives.
+tests check what a plain ``pip install`` gives. The CLI's entry point runs in this process as its console script
+runs it (``conftest.run_main``); a recipe run by name runs as a real process (the slow lane).
 """
 
 import os
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_main
 
+from torchtune_ext import cli
 from torchtune_ext.cli import config_files, recipe_files, recipe_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +26,16 @@ pytestmark = pytest.mark.stack
 def _tune_ext(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "OMP_NUM_THREADS": "1"}
     return subprocess.run([str(TUNE_EXT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture
+def tune_ext(monkeypatch, capfd):
+    """``tune_ext(*args, cwd=...)``: ``tune-ext <args>`` run in this process."""
+
+    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+        return run_main(cli.main, ["tune-ext", *args], monkeypatch, capfd, cwd=cwd)
+
+    return run
 
 
 def test_registry_matches_the_repository():
@@ -38,19 +51,21 @@ def test_registry_matches_the_repository():
         assert yaml.safe_load(path.read_text())["model"]["_component_"].startswith("torchtune_ext.models.")
 
 
-def test_ls_lists_every_recipe_and_config(tmp_path):
-    result = _tune_ext("ls", cwd=tmp_path)
+def test_ls_lists_every_recipe_and_config(tune_ext, tmp_path):
+    result = tune_ext("ls", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     for name in [*recipe_files(), *config_files()]:
         assert name in result.stdout
 
 
-def test_cp_then_run_by_name_outside_a_clone(tmp_path):
-    """A user without a clone copies the tiny config, edits nothing, and runs the recipe by name on it."""
-    copied = _tune_ext("cp", "tiny/qlora_single_device", "my_config.yaml", cwd=tmp_path)
+@pytest.mark.integration_test
+def test_cp_then_run_by_name_outside_a_clone(tune_ext, tmp_path):
+    """A user without a clone copies the tiny config, edits nothing, and runs the recipe by name on it (the run: a
+    real process of the console script, without this clone on its path)."""
+    copied = tune_ext("cp", "tiny/qlora_single_device", "my_config.yaml", cwd=tmp_path)
     assert copied.returncode == 0, copied.stderr[-3000:]
     assert (tmp_path / "my_config.yaml").read_text() == config_files()["tiny/qlora_single_device"].read_text()
-    again = _tune_ext("cp", "tiny/qlora_single_device", "my_config.yaml", cwd=tmp_path)
+    again = tune_ext("cp", "tiny/qlora_single_device", "my_config.yaml", cwd=tmp_path)
     assert again.returncode != 0 and "exists" in again.stderr
     run = _tune_ext(
         "run",
@@ -66,8 +81,8 @@ def test_cp_then_run_by_name_outside_a_clone(tmp_path):
     assert (tmp_path / "outputs" / "tiny_qlora" / "step_2" / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_run_names_unknown_recipes_and_configs(tmp_path):
-    result = _tune_ext("run", "no_such_recipe", "--config", "tiny/qlora_single_device", cwd=tmp_path)
+def test_run_names_unknown_recipes_and_configs(tune_ext, tmp_path):
+    result = tune_ext("run", "no_such_recipe", "--config", "tiny/qlora_single_device", cwd=tmp_path)
     assert result.returncode != 0 and "no_such_recipe" in result.stderr and "tune-ext ls" in result.stderr
 
 

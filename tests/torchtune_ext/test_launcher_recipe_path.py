@@ -19,7 +19,7 @@ from torchtune_ext._shipped import SINGLE_DEVICE_RECIPE, recipe_files
 
 BIN = Path(sys.executable).parent
 
-pytestmark = pytest.mark.stack
+pytestmark = [pytest.mark.stack, pytest.mark.integration_test]
 
 #: the shipped recipe's ``loss_step`` body, and a copy's that reports every module name its file is loaded under.
 SHIPPED = "        return super().loss_step(batch)\n"
