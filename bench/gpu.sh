@@ -85,6 +85,8 @@ for dtype in bf16 fp32; do  # torchtune's recipe rejects fp16
   metrics < "$OUT/torchtune_1b_$dtype.log"
 done
 
+section "peers: our step and generation vs PEFT + bitsandbytes NF4 and PEFT LoRA (SmolLM2-135M), ratios"
+step 150 $PY bench/peers.py --device cuda --shapes 135m --steps 8 --repeats 1 --prompts 8 --new-tokens 16 --cache "$CACHE"
 section "NF4 dequant/quantize and linear fwd+bwd (ours vs torchao vs dense)"
 step 40 $PY bench/nf4_dequant.py --device cuda --quick
 step 50 $PY bench/nf4_linear.py --device cuda --quick

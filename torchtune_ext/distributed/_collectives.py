@@ -54,19 +54,25 @@ def grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
     Returns:
         torch.Tensor: a 0-dim fp32 tensor on the CPU, equal on every rank (inf/nan if a gradient is).
     """
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
-    for param in params:
-        grad = param.grad
-        if grad is None:
-            continue
-        if isinstance(grad, DTensor):
-            sharded += grad.to_local().double().pow(2).sum().cpu()
-        else:
-            replicated += grad.double().pow(2).sum().cpu()
+    params = list(params)
+    # Summed where the gradients are, in the same order as one at a time, then one copy to the host (not one each).
+    sharded, replicated = _sum_of_squares(params, sharded=True), _sum_of_squares(params, sharded=False)
     if dist.is_initialized():
         sharded = all_reduce_sum(sharded)
     return (sharded + replicated).sqrt().float()
+
+
+def _sum_of_squares(params: Iterable[nn.Parameter], sharded: bool) -> torch.Tensor:
+    """The fp64 sum of squares of the (local shards of) sharded or replicated gradients, on the CPU."""
+    total = None
+    for param in params:
+        grad = param.grad
+        if grad is None or isinstance(grad, DTensor) != sharded:
+            continue
+        square = (grad.to_local() if sharded else grad).double().pow(2).sum()
+        total = square if total is None else total + square.to(total.device)
+    zero = torch.zeros((), dtype=torch.float64)
+    return zero if total is None else zero + total.cpu()
 
 
 @torch.no_grad()

@@ -11,10 +11,11 @@ cross-entropy, in plain PyTorch). Ignored tokens (``ignore_index``) are dropped 
 Two paths, chosen per call from the output projection:
 
 - a plain weight (``nn.Linear`` without bias, torchtune's ``TiedLinear``, a pruned tied or ``nn.Linear`` output of
-  :class:`~torchtune_ext.modules.VocabPruning`): a fused ``autograd.Function`` computes each chunk's logits, its
-  fp32 softmax in place, and from it (``softmax - onehot``) the gradients of the hidden states and of the weight
-  already in forward, so backward only scales them: 3 matmuls, as without chunking, and per chunk one fp32 logits
-  buffer (plus its compute-dtype copy).
+  :class:`~torchtune_ext.modules.VocabPruning`; a frozen weight stored in another dtype than the compute dtype,
+  ``FrozenTiedLinear`` / ``FrozenLinear``, upcast a block of rows at a time for each matmul): a fused
+  ``autograd.Function`` computes each chunk's logits, its fp32 softmax in place, and from it (``softmax -
+  onehot``) the gradients of the hidden states and of the weight already in forward, so backward only scales
+  them: 3 matmuls, as without chunking, and per chunk one fp32 logits buffer (plus its compute-dtype copy).
 - any other output (our ``LoRALinear``/``DoRALinear`` with an NF4 or dense base, a pruned LoRA output, a sharded
   FSDP unit): each chunk runs ``output(hidden)`` and a cross-entropy with an fp32 softmax under a non-reentrant
   activation checkpoint, which saves only the chunk's hidden states; backward recomputes the chunk (4 matmuls),
@@ -68,6 +69,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from torchtune.modules import TiedLinear
 
+from torchtune_ext.modules.low_precision import FrozenLinear, mm_weight, mm_weight_t
 from torchtune_ext.modules.vocab_pruning import PrunedOutput
 from torchtune_ext.nf4 import NF4Tensor
 
@@ -170,7 +172,8 @@ class LinearCrossEntropyLoss(nn.Module):
         chunk_size = self.chunk_size or auto_chunk_size(num_tokens, _vocab_size(self._output), hidden.shape[-1])
         weight = _plain_weight(self._output) if self.fused else None
         if weight is not None:
-            return linear_cross_entropy(hidden, weight, labels, chunk_size)
+            dtype = getattr(self._output, "compute_dtype", None) or weight.dtype
+            return linear_cross_entropy(hidden, weight, labels, chunk_size, dtype)
         return self._checkpointed_loss(hidden, labels, chunk_size)
 
     def _checkpointed_loss(self, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -207,23 +210,35 @@ def auto_chunk_size(num_tokens: int, vocab_size: Optional[int], dim: int) -> int
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int,
+    dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Mean of ``F.cross_entropy(F.linear(hidden, weight).float(), labels)`` without materialising the logits.
 
     Computes ``chunk_size`` rows at a time, and the gradients already in forward (see the module docstring); the
-    logits are computed in ``weight``'s dtype (``hidden`` is cast to it).
+    logits are computed in ``dtype`` (``hidden`` is cast to it).
 
     Args:
         hidden (torch.Tensor): hidden states ``(n, d)``.
         weight (torch.Tensor): output weight ``(V, d)``, a plain (not NF4, not DTensor) tensor.
         labels (torch.Tensor): int64 labels ``(n,)`` in ``[0, V)`` (no ignore index: drop those rows first).
         chunk_size (int): rows per chunk.
+        dtype (Optional[torch.dtype]): compute dtype; None: ``weight``'s. A frozen weight stored in another dtype
+            (an fp32 run's bf16 embedding) is upcast a block of rows at a time, as ``FrozenLinear`` does.
 
     Returns:
         torch.Tensor: fp32 scalar, the mean over the ``n`` rows (0 if there are none).
+
+    Raises:
+        ValueError: if ``weight`` is trainable and not in ``dtype``.
     """
+    dtype = dtype or weight.dtype
     grad_enabled = torch.is_grad_enabled()
+    if weight.dtype != dtype and grad_enabled and weight.requires_grad:
+        raise ValueError(f"a trainable output weight must be in the compute dtype {dtype}, got {weight.dtype}.")
     return _LinearCrossEntropy.apply(
         hidden,
         weight,
@@ -231,6 +246,7 @@ def linear_cross_entropy(
         chunk_size,
         grad_enabled and hidden.requires_grad,
         grad_enabled and weight.requires_grad,
+        dtype,
     )
 
 
@@ -246,8 +262,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk_size: int,
         needs_hidden_grad: bool,
         needs_weight_grad: bool,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
-        x = hidden.to(weight.dtype)
+        x = hidden.to(dtype)
         n = x.shape[0]
         grad_x = torch.empty_like(x) if needs_hidden_grad else None
         grad_w = torch.zeros_like(weight) if needs_weight_grad else None
@@ -257,7 +274,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss, grad_logits = _chunk_loss_and_grad(x_chunk, weight, y_chunk, needs_hidden_grad or needs_weight_grad)
             total += loss
             if grad_x is not None:
-                torch.mm(grad_logits, weight, out=grad_x[start : start + chunk_size])
+                mm_weight(grad_logits, weight, dtype, out=grad_x[start : start + chunk_size])
             if grad_w is not None:
                 grad_w.addmm_(grad_logits.t(), x_chunk, alpha=1.0 / n)
             del grad_logits
@@ -278,14 +295,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_x = grad_x.mul_(scale / max(ctx.num_rows, 1)).to(ctx.hidden_dtype)
         if grad_w is not None and scale != 1.0:
             grad_w.mul_(scale)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def _chunk_loss_and_grad(
     x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, needs_grad: bool
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Summed cross-entropy of one chunk and, if needed, ``softmax - onehot`` in ``weight``'s dtype."""
-    logits = torch.mm(x, weight.t())
+    """Summed cross-entropy of one chunk and, if needed, ``softmax - onehot`` in ``x``'s dtype."""
+    logits = mm_weight_t(x, weight, x.dtype)
     fp32 = logits.float()
     del logits  # a copy unless the compute dtype is fp32
     target = fp32.gather(1, labels[:, None])
@@ -297,7 +314,7 @@ def _chunk_loss_and_grad(
         return loss, None
     fp32.div_(sum_exp)
     fp32.scatter_add_(1, labels[:, None], fp32.new_full((labels.numel(), 1), -1.0))
-    return loss, fp32.to(weight.dtype)
+    return loss, fp32.to(x.dtype)
 
 
 def _chunk_loss(
@@ -340,8 +357,8 @@ def _label_tokens(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int)
 
 
 def _plain_weight(output: Any) -> Optional[torch.Tensor]:
-    """The weight of an output that is a bias-free linear map by a plain tensor in its compute dtype, else None (a
-    weight stored in another dtype than it computes in, such as ``FrozenLinear``'s, goes through the module)."""
+    """The weight of an output that is a bias-free linear map by a plain tensor, in its compute dtype or frozen
+    (``FrozenLinear``'s, a ``FrozenTiedLinear``'s 16-bit table under fp32 compute: upcast per block), else None."""
     if isinstance(output, TiedLinear):
         weight = output.tied_module.weight
     elif isinstance(output, PrunedOutput):
@@ -349,11 +366,11 @@ def _plain_weight(output: Any) -> Optional[torch.Tensor]:
         if isinstance(pruning, FSDPModule):
             return None
         weight = pruning.weight if pruning.output is None else _plain_weight(pruning.output)
-    elif type(output) is nn.Linear and output.bias is None and not isinstance(output, FSDPModule):
+    elif type(output) in (nn.Linear, FrozenLinear) and output.bias is None and not isinstance(output, FSDPModule):
         weight = output.weight
     else:
         return None
-    if weight is None or weight.dtype != getattr(output, "compute_dtype", weight.dtype):
+    if weight is None or (weight.dtype != getattr(output, "compute_dtype", weight.dtype) and weight.requires_grad):
         return None
     # NF4 and sharded (DTensor) weights go through their module; other tensors (fake ones too) are plain.
     return None if isinstance(weight, (NF4Tensor, DTensor)) else weight

@@ -35,8 +35,12 @@ from torchtune_ext.nf4 import (
     quantize_nf4,
 )
 
-# CPU linear_nf4 dequantizes slabs of about this many weights (at least _MIN_SLAB_DIM rows/columns) per matmul.
-_CPU_SLAB_NUMEL = 1 << 22
+# CPU linear_nf4 dequantizes slabs of about this many weights (at least _MIN_SLAB_DIM rows/columns) per matmul
+# (4 MiB of fp32: bench/peers.py measured 4x more per slab slower, its fresh pages faulted in per call).
+_CPU_SLAB_NUMEL = 1 << 20
+# At most this many tokens (decoding) go through slabs whatever the weight's size: a fresh whole dense weight per
+# token costs more than its decoding.
+_SMALL_BATCH_TOKENS = 16
 _MIN_SLAB_DIM = 256
 
 
@@ -51,6 +55,15 @@ def _slab_plan(weight: NF4Tensor) -> Optional[Tuple[int, int]]:
     rows = max(_MIN_SLAB_DIM, _CPU_SLAB_NUMEL // in_dim)
     cols = max(_MIN_SLAB_DIM, _CPU_SLAB_NUMEL // out_dim) // weight.block_size * weight.block_size
     return rows, cols
+
+
+def _small_batch_rows(weight: NF4Tensor, tokens: int) -> Optional[int]:
+    """Rows per forward slab for ``tokens`` tokens through a CPU weight too small for :func:`_slab_plan` (decoding),
+    or None for the whole dequantized weight."""
+    out_dim, in_dim = weight.shape
+    if tokens > _SMALL_BATCH_TOKENS or weight.device.type != "cpu" or not weight.is_contiguous():
+        return None
+    return min(out_dim, max(1, _CPU_SLAB_NUMEL // in_dim)) if in_dim % weight.block_size == 0 else None
 
 
 def _slab_buffers(weight: NF4Tensor, shape: Tuple[int, int], dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -116,10 +129,12 @@ class LinearNF4(torch.autograd.Function):
         ctx.save_for_backward(weight)
         ctx.compute_dtype = dtype
         plan = _slab_plan(weight)
-        if plan is None:
+        tokens = input.numel() // max(weight.shape[1], 1)
+        rows = plan[0] if plan is not None else _small_batch_rows(weight, tokens)
+        if rows is None:
             return F.linear(input.to(dtype), dequantize_nf4(weight, dtype))
         x = input.to(dtype).reshape(-1, weight.shape[1])
-        return _linear_slabs(x, weight, plan[0]).view(*input.shape[:-1], weight.shape[0])
+        return _linear_slabs(x, weight, rows).view(*input.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
@@ -157,8 +172,9 @@ def linear_nf4(input: torch.Tensor, weight: NF4Tensor, dtype: Optional[torch.dty
         return LinearNF4.apply(input, weight, compute_dtype)
 
 
-# CPU and accelerators: a frozen dense weight is upcast this many values at a time (64 MiB of fp32), never whole.
-_FROZEN_BLOCK_NUMEL = 1 << 24
+# CPU and accelerators: a frozen dense weight is upcast this many values at a time (4 MiB of fp32), never whole:
+# bench/peers.py measured 64 MiB blocks 10x slower when decoding (one token through a 49152-row output).
+_FROZEN_BLOCK_NUMEL = 1 << 20
 
 
 class FrozenLinearFunction(torch.autograd.Function):
@@ -171,26 +187,65 @@ class FrozenLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(weight)
         ctx.compute_dtype = dtype
         out_dim, in_dim = weight.shape
-        x = input.to(dtype).reshape(-1, in_dim)
-        out = torch.empty(x.shape[0], out_dim, dtype=dtype, device=x.device)
-        for start, stop in _row_blocks(weight):
-            torch.mm(x, weight[start:stop].to(dtype).t(), out=out[:, start:stop])
+        out = mm_weight_t(input.to(dtype).reshape(-1, in_dim), weight, dtype)
         return out.view(*input.shape[:-1], out_dim)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
         (weight,) = ctx.saved_tensors
         out_dim, in_dim = weight.shape
-        grad = grad_output.to(ctx.compute_dtype).reshape(-1, out_dim)
-        grad_input = torch.zeros(grad.shape[0], in_dim, dtype=ctx.compute_dtype, device=grad.device)
-        for start, stop in _row_blocks(weight):
-            grad_input.addmm_(grad[:, start:stop], weight[start:stop].to(ctx.compute_dtype))
+        grad_input = mm_weight(grad_output.to(ctx.compute_dtype).reshape(-1, out_dim), weight, ctx.compute_dtype)
         return grad_input.view(*grad_output.shape[:-1], in_dim), None, None
 
 
 def _row_blocks(weight: torch.Tensor) -> List[Tuple[int, int]]:
     rows = max(1, _FROZEN_BLOCK_NUMEL // weight.shape[1])
     return [(start, min(start + rows, weight.shape[0])) for start in range(0, weight.shape[0], rows)]
+
+
+def mm_weight_t(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None):
+    """``x @ weight.T`` in ``dtype`` (``x`` already in it) for a weight stored in any dtype, upcast a block of rows
+    at a time (never a full-size copy); a weight already in ``dtype`` is one ``torch.mm``.
+
+    Args:
+        x (torch.Tensor): ``(n, in_dim)`` in ``dtype``.
+        weight (torch.Tensor): ``(out_dim, in_dim)``.
+        dtype (torch.dtype): compute dtype.
+        out (Optional[torch.Tensor]): ``(n, out_dim)`` to write into.
+
+    Returns:
+        torch.Tensor: ``(n, out_dim)``.
+    """
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=dtype, device=x.device)
+    if weight.dtype == dtype:
+        return torch.mm(x, weight.t(), out=out)
+    for start, stop in _row_blocks(weight):
+        torch.mm(x, weight[start:stop].to(dtype).t(), out=out[:, start:stop])
+    return out
+
+
+def mm_weight(grad: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None):
+    """``grad @ weight`` in ``dtype`` (``grad`` already in it), the weight upcast a block of rows at a time.
+
+    Args:
+        grad (torch.Tensor): ``(n, out_dim)`` in ``dtype``.
+        weight (torch.Tensor): ``(out_dim, in_dim)``.
+        dtype (torch.dtype): compute dtype.
+        out (Optional[torch.Tensor]): ``(n, in_dim)`` to write into.
+
+    Returns:
+        torch.Tensor: ``(n, in_dim)``.
+    """
+    if weight.dtype == dtype:
+        return torch.mm(grad, weight, out=out) if out is not None else torch.mm(grad, weight)
+    if out is None:
+        out = torch.zeros(grad.shape[0], weight.shape[1], dtype=dtype, device=grad.device)
+    else:
+        out.zero_()
+    for start, stop in _row_blocks(weight):
+        out.addmm_(grad[:, start:stop], weight[start:stop].to(dtype))
+    return out
 
 
 def frozen_linear(input: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -56,8 +56,13 @@ def _grow_on_demand(rope: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, An
     x = args[0] if args else kwargs["x"]
     needed = x.size(1)
     input_pos = kwargs.get("input_pos")
+    # Every layer of one forward gets the same input_pos tensor: its maximum (a host sync) is read once per forward,
+    # again only if the tensor changed in place (its version counter).
     if input_pos is not None and not isinstance(input_pos, FunctionalTensor):  # traced for compile: no values
-        needed = max(needed, int(input_pos.max()) + 1)
+        checked = getattr(rope, "_checked_input_pos", None)
+        if checked is None or checked[0] is not input_pos or checked[1] != input_pos._version:
+            rope._checked_input_pos = (input_pos, input_pos._version)
+            needed = max(needed, int(input_pos.max()) + 1)
     if needed > rows:
         _resize(rope, 1 << (needed - 1).bit_length())
 

@@ -382,3 +382,30 @@ def test_fsdp2_output_in_root_or_own_unit():
     resharded: a clear error) or inside a pruning module sharded on its own (its hooks run per chunk, recompute
     included, and both ranks agree on the number of chunks)."""
     run_distributed(_fsdp_worker, 2)
+
+
+def test_frozen_16_bit_output_under_fp32_takes_the_fused_path(monkeypatch):
+    """An fp32 run's tied output stored in bf16 (``FrozenTiedLinear``) goes through the fused function, its table
+    upcast a block of rows at a time (3 blocks here), and gives the fp32 reference's loss and gradient."""
+    from torchtune_ext.modules import low_precision
+    from torchtune_ext.modules.loss import _plain_weight
+    from torchtune_ext.modules.low_precision import FrozenEmbedding, FrozenTiedLinear
+
+    monkeypatch.setattr(low_precision, "_FROZEN_BLOCK_NUMEL", 32 * 100)
+    torch.manual_seed(0)
+    embedding = FrozenEmbedding(300, 32, dtype=torch.float32, storage_dtype=torch.bfloat16)
+    output = FrozenTiedLinear(embedding, torch.float32)
+    assert _plain_weight(output) is embedding.weight
+    hidden = torch.randn(2, 20, 32, requires_grad=True)
+    labels = torch.randint(0, 300, (2, 20))
+    labels[0, :5] = -100
+    loss_fn = LinearCrossEntropyLoss(chunk_size=8)
+    loss_fn.set_output(output)
+    loss = loss_fn(hidden, labels)
+    loss.backward()
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    logits = F.linear(ref_hidden, embedding.weight.float())
+    ref = F.cross_entropy(logits.reshape(-1, 300), labels.reshape(-1))
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-5, atol=1e-7)
