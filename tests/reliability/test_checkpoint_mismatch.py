@@ -19,8 +19,6 @@ from reliability_utils import REPO, SINGLE_CONFIG, SINGLE_RECIPE
 from torchtune_ext.checkpoint import _safetensors
 from torchtune_ext.data import write_tiny_checkpoint
 
-pytestmark = [pytest.mark.integration_test]
-
 BUILDER = "torchtune_ext.models.qlora_tiny_llama"
 LFS_POINTER = (
     "version https://git-lfs.github.com/spec/v1\n"

@@ -12,14 +12,11 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List
 
-import pytest
 import torch
 from omegaconf import OmegaConf
 from reliability_utils import REPO, SINGLE_CONFIG, SINGLE_RECIPE, adapter, merged, small_run
 
 from torchtune_ext.data import write_tiny_checkpoint
-
-pytestmark = [pytest.mark.integration_test]
 
 STEPS = 6
 OVERFLOW_STEPS = [2, 3]
