@@ -75,6 +75,14 @@ GEMMA2_TEMPLATE = (
     "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
 )
+# microsoft/Phi-3.5-mini-instruct's tokenizer_config.json chat_template, verbatim.
+PHI3_5_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}{{'<|system|>\n' + "
+    "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}"
+    "{{ eos_token }}{% endif %}"
+)
 CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of Quenfeld?"}, {"role": "assistant", "content": "Brooktide."}],
@@ -256,6 +264,56 @@ def test_gemma_prompt_and_training_sample_equal_the_template(tmp_path, index):
     assert generator.encode_prompt(conversation[:-1], chat=True) == expected
     assert ours.tokenize_messages(_messages(conversation))[0] == _ids(hf.apply_chat_template(conversation))
     assert hf.convert_tokens_to_ids("<end_of_turn>") in generator.stop_ids
+
+
+@pytest.fixture(scope="module")
+def phi3_files(tmp_path_factory):
+    """A SentencePiece BPE model with Llama's layout (``<unk> <s> </s>``, dummy prefix, byte fallback) and
+    transformers' ``tokenizer.json`` of it with Phi-3's special tokens added (legacy, as Phi-3.5-mini-instruct's own
+    ``tokenizer.json``: a "▁" before the text after each special token)."""
+    import json
+
+    import sentencepiece as spm
+    from torchtune.models.phi3._tokenizer import PHI3_SPECIAL_TOKENS
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("phi3")
+    lines = [f"{s['input']} {s['output']}" for s in tiny_instruct_samples("train", 500)]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=str(folder / "tokenizer"),
+        model_type="bpe",
+        vocab_size=400,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        minloglevel=2,
+    )
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "<|endoftext|>", "legacy": True}
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+    hf = AutoTokenizer.from_pretrained(folder)
+    hf.add_special_tokens({"additional_special_tokens": [t for t in PHI3_SPECIAL_TOKENS if t != "<|endoftext|>"]})
+    hf.save_pretrained(folder / "hf")  # its tokenizer.json: the special tokens' ids, for ours
+    hf.chat_template = PHI3_5_TEMPLATE
+    return str(folder / "tokenizer.model"), folder / "hf", hf
+
+
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+def test_phi3_prompt_and_training_sample_equal_the_template(phi3_files, index):
+    """Phi-3.5-mini-instruct's template: ``<|role|>\n{content}<|end|>\n`` turns, no ``<s>``, ``<|endoftext|>`` at the
+    end of a training sample; the prompt ends ``<|assistant|>\n`` (torchtune's ended ``<|assistant|>\n<|end|>\n``)."""
+    model, hf_folder, hf = phi3_files
+    ours = chat.phi3_mini_tokenizer(model, special_tokens_path=str(hf_folder / "tokenizer.json"), max_seq_len=4096)
+    conversation = CONVERSATIONS[index]
+    generator = Generator(_Model(), ours, dtype=torch.float32, device="cpu")
+    expected = _ids(hf.apply_chat_template(conversation[:-1], tokenize=True, add_generation_prompt=True))
+    assert generator.encode_prompt(conversation[:-1], chat=True) == expected
+    assert ours.tokenize_messages(_messages(conversation))[0] == _ids(hf.apply_chat_template(conversation))
+    assert hf.convert_tokens_to_ids("<|end|>") in generator.stop_ids
 
 
 @pytest.fixture(scope="module")
