@@ -244,6 +244,33 @@ class Generator:
             delete_kv_caches(self.model)
 
 
+def check_chat_prompt(tokenizer: Any, component: str) -> None:
+    """Refuses a tokenizer whose chat prompt ends with a token that stops generation (torchtune 0.6.1's Qwen2,
+    Qwen2.5, Gemma and Mistral tokenizers end it with their end token, Phi-3's with ``<|end|>\n``): every answer
+    would then open a new turn.
+
+    Args:
+        tokenizer (Any): the model tokenizer.
+        component (str): its config ``tokenizer._component_``, for the message.
+
+    Raises:
+        ConfigError: naming ``tokenizer._component_`` and the fix.
+    """
+    messages = [Message(role="user", content="Hi"), Message(role="assistant", content="")]
+    tokens = list(tokenizer({"messages": messages}, inference=True)["tokens"])
+    stop_ids = set(getattr(tokenizer, "stop_tokens", None) or [tokenizer.eos_id])
+    end = tokens[-1] if tokens else None
+    if end in stop_ids or (end is not None and end == getattr(tokenizer, "eos_id", None)):
+        raise bad_value(
+            "tokenizer._component_",
+            component,
+            f"writes a chat prompt that ends with the end token {end} instead of the assistant header, so every "
+            "answer would start a new turn",
+            "use the family's builder in torchtune_ext.models (e.g. torchtune_ext.models.qwen2_5_tokenizer, "
+            "smollm2_tokenizer, gemma_tokenizer, phi3_mini_tokenizer, mistral_tokenizer), or chat=False",
+        )
+
+
 def kv_cache_bytes(model: nn.Module, seq_len: int, dtype: torch.dtype, batch_size: int = 1) -> int:
     """Bytes of the KV caches of ``model`` at ``seq_len`` tokens.
 

@@ -27,6 +27,7 @@ from torchtune_ext.generation._generate import (
     Generator,
     SamplingSettings,
     answers_record,
+    check_chat_prompt,
     kv_cache_bytes,
     weight_bytes,
 )
@@ -141,6 +142,8 @@ class GenerationRecipe:
         start = time.perf_counter()
         checkpointer = instantiate_component(cfg.checkpointer, "checkpointer")
         self._tokenizer = build_tokenizer(cfg.tokenizer)
+        if self._chat:
+            check_chat_prompt(self._tokenizer, cfg.tokenizer.get("_component_", ""))
         adapter_dir = cfg.get("adapter_dir", None)
         model = load_model_with_adapter(
             checkpointer, adapter_dir, model=cfg.model, dtype=self._dtype, device=self._device

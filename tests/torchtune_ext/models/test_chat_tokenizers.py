@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerFast
 
 from torchtune_ext.config import ConfigError
 from torchtune_ext.data import TINY_TOKENIZER_PATH, tiny_instruct_samples
-from torchtune_ext.generation import Generator
+from torchtune_ext.generation import Generator, check_chat_prompt
 from torchtune_ext.models import _chat_tokenizers as chat
 from torchtune_ext.training import build_tokenizer
 
@@ -437,3 +437,23 @@ def test_gemma_model_without_chat_tokens_is_refused():
     with pytest.raises(ConfigError, match=r"tokenizer.path: the tokenizer lacks gemma's chat tokens") as err:
         chat.gemma_tokenizer(str(TINY_TOKENIZER_PATH))
     assert err.value.key == "tokenizer.path"
+
+
+def test_generation_refuses_a_tokenizer_whose_chat_prompt_ends_with_an_end_token(chatml_files):
+    """What ``generate`` checks before the model loads: torchtune 0.6.1's own Qwen 2.5 and Mistral tokenizers end the
+    chat prompt with ``<|im_end|>`` / ``</s>``; ours end it with the assistant header."""
+    from torchtune.models.mistral import mistral_tokenizer as torchtune_mistral
+    from torchtune.models.qwen2_5 import qwen2_5_tokenizer as torchtune_qwen2_5
+
+    paths = {"path": str(chatml_files / "vocab.json"), "merges_file": str(chatml_files / "merges.txt")}
+    special = str(chatml_files / "tokenizer.json")
+    component = "torchtune.models.qwen2_5.qwen2_5_tokenizer"
+    with pytest.raises(ConfigError, match=f"tokenizer._component_='{component}' writes a chat prompt that ends") as e:
+        check_chat_prompt(torchtune_qwen2_5(**paths, special_tokens_path=special), component)
+    assert e.value.key == "tokenizer._component_" and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="ends with the end token 2 instead"):
+        check_chat_prompt(torchtune_mistral(str(TINY_TOKENIZER_PATH)), "torchtune.models.mistral.mistral_tokenizer")
+    check_chat_prompt(
+        chat.qwen2_5_tokenizer(**paths, special_tokens_path=special), "torchtune_ext.models.qwen2_5_tokenizer"
+    )
+    check_chat_prompt(chat.mistral_tokenizer(str(TINY_TOKENIZER_PATH)), "torchtune_ext.models.mistral_tokenizer")
