@@ -1,13 +1,18 @@
 # Two commands for a fresh machine (each sets itself up):
 #   make demo   - fine-tune the embedded tiny default (no downloads), print where the outputs are, and answer two
 #                 held-out prompts with the trained model (NF4 base + adapter)
-#   make test   - .ci/run: set-up, lint + the whole test suite (unit, recipe integration, 2-process distributed)
+#   make test   - .ci/run: set-up, lint + the whole test suite in every environment, both lanes: the fast lane
+#                 (in-process tests) and the slow lane (recipe runs, launched processes, 2-process distributed,
+#                 llama.cpp, real models)
+# and, in an existing .venv:
+#   make test-fast - plain pytest: the fast lane only
+#   make test-slow - the slow lane only
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test clean llama-cpp
+.PHONY: venv demo test test-fast test-slow clean llama-cpp
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +40,13 @@ llama-cpp: $(STAMP)
 # The same install as .ci/run, which `make test` runs (CI runs it too).
 test:
 	bash .ci/run
+
+# The lanes are pyproject.toml's: plain pytest deselects the slow lane's markers; -m selects them.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m "integration_test or distributed or slow or real_model"
 
 clean:
 	rm -rf $(VENV) .venv-interop
