@@ -2,11 +2,13 @@
 ``gguf`` writer.
 
 The tensor-name map, the metadata keys and the tokenizer handling follow llama.cpp's ``convert_hf_to_gguf.py``
-(``LlamaModel``, ``Qwen2Model``, ``_set_vocab_sentencepiece``, ``_set_vocab_gpt2``): Llama q/k rows are permuted back
-to llama.cpp's interleaved RoPE, a ``llama3`` RoPE scaling is written as the ``rope_freqs`` tensor, 1-D tensors stay
-F32, and a ``q8_0`` export falls back to F16 for a matrix whose rows are not a multiple of 32. The file is streamed
-one tensor at a time (host RAM: a few fp32 copies of the largest tensor) into a temporary sibling that replaces
-``output`` only when complete. The other types (k-quants, q4_0, q5_0) are llama.cpp's quantizer's (through
+(``LlamaModel``, ``Qwen2Model``, ``_set_vocab_sentencepiece``, ``_set_vocab_gpt2``), and ``general.*`` is ``gguf``'s own
+``Metadata`` as llama.cpp fills it: Llama q/k rows are permuted back to llama.cpp's interleaved RoPE, a ``llama3``
+RoPE scaling is written as the ``rope_freqs`` tensor, 1-D tensors stay F32, and a ``q8_0`` export falls back to F16
+for a matrix whose rows are not a multiple of 32. ``config.json`` is read in both transformers layouts (4.x
+top-level ``rope_theta`` / ``rope_scaling``, 5.x ``rope_parameters``) through ``hf_rope_parameters``. The file is
+streamed one tensor at a time (host RAM: a few fp32 copies of the largest tensor) into a temporary sibling that
+replaces ``output`` only when complete. The other types (k-quants, q4_0, q5_0) are llama.cpp's quantizer's (through
 ``llama-cpp-python``, as ``llama-quantize`` does): the f16 file is written to a second temporary sibling and
 quantized with llama.cpp's own per-tensor rules.
 """
@@ -25,6 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from torchtune_ext.checkpoint import hf_rope_parameters, read_hf_config
 from torchtune_ext.config import ConfigError, ConfigFileNotFoundError
 
 PathLike = Union[str, Path]
@@ -47,41 +50,55 @@ _WRITTEN_TYPES: Dict[str, str] = {"f16": "F16", "q8_0": "Q8_0"}
 class _Family:
     arch: str  # gguf.MODEL_ARCH member name
     permute_qk: bool  # HF rotate-half q/k rows -> llama.cpp's interleaved RoPE (Llama only)
-    bpe_pre: str  # llama.cpp pre-tokenizer of the family's BPE tokenizer.json
+    rope_types: Tuple[str, ...]  # the RoPE scalings llama.cpp runs for the family
 
 
 #: HF ``architectures[0]`` -> family (convert_hf_to_gguf.py's ``LlamaModel`` / ``Qwen2Model``).
 FAMILIES: Dict[str, _Family] = {
-    "LlamaForCausalLM": _Family("LLAMA", True, "llama-bpe"),
-    "Qwen2ForCausalLM": _Family("QWEN2", False, "qwen2"),
+    "LlamaForCausalLM": _Family("LLAMA", True, ("default", "llama3", "linear", "yarn")),
+    "Qwen2ForCausalLM": _Family("QWEN2", False, ("default", "linear", "yarn")),
+}
+
+# The pre-tokenizers of tokenizer.json that llama.cpp implements (llama-vocab.cpp) -> its name for them.
+# convert_hf_to_gguf.py picks the name by hashing the token ids of a test text against the tokenizers it knows
+# (Llama 3: llama-bpe, Qwen 2 / 2.5: qwen2, SmolLM / SmolLM2: smollm); the name follows from the pre-tokenizer.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+#: (its Split regex, Digits(individual_digits), ByteLevel(use_regex)) -> llama.cpp's pre-tokenizer.
+_BPE_PRE_TOKENIZERS: Dict[Tuple[Optional[str], bool, bool], str] = {
+    (_LLAMA3_SPLIT, False, False): "llama-bpe",
+    (_LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"), False, False): "qwen2",
+    (None, True, True): "smollm",  # digits one by one, then GPT-2's regex
 }
 
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _gguf():
-    try:
-        import gguf
-    except ImportError as e:
-        raise ImportError(
-            "GGUF export needs llama.cpp's `gguf` package: pip install 'torchtune_ext[gguf]' (or pip install gguf)."
-        ) from e
+    """llama.cpp's ``gguf`` package (a dependency of torchtune_ext), imported when an export runs."""
+    import gguf
+
     return gguf
 
 
 def _read_config(model_dir: Path) -> Tuple[Dict[str, Any], _Family]:
+    config = read_hf_config(model_dir, "--model")
     config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise ConfigFileNotFoundError(
-            f"{config_path} not found: --model must be a merged HF folder (config.json + *.safetensors)."
-        )
-    config = json.loads(config_path.read_text())
     arch = (config.get("architectures") or ["<none>"])[0]
     if arch not in FAMILIES:
         raise ConfigError(
             f"{config_path}: architectures={arch!r} cannot be exported to GGUF here; supported: {', '.join(FAMILIES)}."
         )
-    return config, FAMILIES[arch]
+    family = FAMILIES[arch]
+    rope_type = hf_rope_parameters(config)["rope_type"]
+    if rope_type not in family.rope_types:
+        raise ConfigError(
+            f"{config_path}: RoPE scaling rope_type={rope_type!r} cannot be exported for {arch}; llama.cpp runs "
+            f"{', '.join(family.rope_types)}."
+        )
+    return config, family
 
 
 def _safetensors_files(model_dir: Path) -> List[Path]:
@@ -128,18 +145,22 @@ def _permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
     )
 
 
+def _head_dim(config: Dict[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def _llama3_rope_factors(config: Dict[str, Any]) -> Optional[torch.Tensor]:
     """convert_hf_to_gguf.py's ``rope_freqs`` for a ``llama3`` RoPE scaling; None without one."""
-    scaling = config.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type", "")).lower() != "llama3":
+    scaling = hf_rope_parameters(config)
+    if scaling["rope_type"] != "llama3":
         return None
-    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    freqs = 1.0 / (config.get("rope_theta", 10000.0) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    dim = _head_dim(config)
+    freqs = 1.0 / (scaling["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factor = scaling.get("factor", 8.0)
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_context = scaling.get("original_max_position_embeddings", 8192)
     factors = []
-    for freq in freqs.tolist():
+    for freq in freqs:  # 0-d float32 tensors: llama.cpp's arithmetic, to the last bit
         wavelen = 2 * math.pi / freq
         if wavelen < old_context / high:
             factors.append(1.0)
@@ -147,7 +168,7 @@ def _llama3_rope_factors(config: Dict[str, Any]) -> Optional[torch.Tensor]:
             factors.append(factor)
         else:
             smooth = (old_context / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
+            factors.append(float(1 / ((1 - smooth) / factor + smooth)))
     return torch.tensor(factors, dtype=torch.float32)
 
 
@@ -168,11 +189,12 @@ def _plan_tensors(model_dir: Path, config: Dict[str, Any], family: _Family, type
     name_map = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     n_head, n_kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     matrix_type = getattr(gguf.GGMLQuantizationType, _WRITTEN_TYPES[type_])
+    tied = bool(config.get("tie_word_embeddings", False))
     plan = []
     for path in _safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                if key.endswith(_SKIPPED_SUFFIXES):
+                if key.endswith(_SKIPPED_SUFFIXES) or tied and key == "lm_head.weight":  # transformers ties it
                     continue
                 name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
                 if name is None:
@@ -180,7 +202,7 @@ def _plan_tensors(model_dir: Path, config: Dict[str, Any], family: _Family, type
                         f"{path}: tensor {key!r} has no GGUF name for {family.arch}; is this a plain merged model?"
                     )
                 shape = tuple(f.get_slice(key).get_shape())
-                heads = n_head if key.endswith("q_proj.weight") else n_kv if key.endswith("k_proj.weight") else None
+                heads = n_head if ".q_proj." in key else n_kv if ".k_proj." in key else None
 
                 def load(path=path, key=key, heads=heads) -> torch.Tensor:
                     with safe_open(str(path), framework="pt") as g:
@@ -188,6 +210,11 @@ def _plan_tensors(model_dir: Path, config: Dict[str, Any], family: _Family, type
                     return _permute(tensor, heads) if family.permute_qk and heads else tensor
 
                 plan.append(_Tensor(name, shape, _tensor_type(gguf, name, shape, matrix_type), load))
+    if not tied and "output.weight" not in {t.name for t in plan}:
+        raise ConfigError(
+            f"{model_dir / 'config.json'} has tie_word_embeddings=false but the checkpoint has no lm_head.weight: "
+            "transformers would load this folder with a random output layer; export a complete merged folder."
+        )
     factors = _llama3_rope_factors(config) if family.permute_qk else None
     if factors is not None:
         rope_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
@@ -218,34 +245,68 @@ def _nbytes(gguf, shape: Tuple[int, ...], qtype) -> int:
     return math.prod(shape) // block * size
 
 
-def _add_hparams(writer, config: Dict[str, Any], family: _Family, type_: str, name: str) -> None:
+def _add_metadata(writer, model_dir: Path) -> None:
+    """convert_hf_to_gguf.py's ``ModelBase.prepare_metadata``: ``general.*`` from ``gguf.Metadata`` (the model card,
+    ``config.json``, ``generation_config.json`` and the folder's name) and the parameter count of the tensors."""
+    gguf = _gguf()
+    total, shared, expert, n_expert = writer.get_total_parameter_count()
+    metadata = gguf.Metadata.load(None, model_dir, None, total)
+    if metadata.name is None:
+        metadata.name = model_dir.name
+    if metadata.size_label is None and total > 0:
+        metadata.size_label = gguf.size_label(total, shared, expert, n_expert)
+    writer.add_type(gguf.GGUFType.MODEL)
+    metadata.set_gguf_meta_model(writer)
+
+
+def _add_hparams(writer, config: Dict[str, Any], family: _Family, type_: str) -> None:
     """convert_hf_to_gguf.py's ``TextModel`` / ``LlamaModel`` / ``Qwen2Model.set_gguf_parameters``."""
     gguf = _gguf()
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(name)
+    rope = hf_rope_parameters(config)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    _add_rope_scaling(writer, rope)
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if "head_dim" in config:  # otherwise llama.cpp derives it
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    writer.add_file_type(getattr(gguf.LlamaFileType, GGUF_TYPES[type_]))
     if family.permute_qk:
         writer.add_vocab_size(config["vocab_size"])
-        writer.add_rope_dimension_count(head_dim)
-    writer.add_file_type(getattr(gguf.LlamaFileType, GGUF_TYPES[type_]))
+        writer.add_rope_dimension_count(_head_dim(config))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _add_rope_scaling(writer, rope: Dict[str, Any]) -> None:
+    """convert_hf_to_gguf.py's linear and YaRN scaling keys (``llama3`` is the ``rope_freqs`` tensor)."""
+    gguf = _gguf()
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (
+            ("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
+            ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
+            ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+            ("beta_slow", writer.add_rope_scaling_yarn_beta_slow),
+        ):
+            if rope.get(key) is not None:
+                add(rope[key])
 
 
 def _pad(tokens: List, scores: List[float], types: List, n_vocab: int, unused) -> None:
     """Fills the ids the tokenizer lacks up to the embedding's rows with ``[PADi]`` tokens (as llama.cpp does)."""
     for i in range(len(tokens), n_vocab):
         tokens.append(f"[PAD{i}]".encode())
-        scores.append(-1000.0)
+        scores.append(-10000.0)
         types.append(unused)
 
 
@@ -288,15 +349,46 @@ def _add_spm_vocab(writer, path: Path, n_vocab: int) -> None:
     special.add_to_gguf(writer)
 
 
-def _add_bpe_vocab(writer, folder: Path, n_vocab: int, pre: str) -> None:
-    """convert_hf_to_gguf.py's ``get_vocab_base`` + ``_set_vocab_gpt2`` (pre-tokenizer by family)."""
-    gguf = _gguf()
-    from transformers import AutoTokenizer
+def _bpe_pre_tokenizer(folder: Path) -> str:
+    """llama.cpp's name (``tokenizer.ggml.pre``) for the pre-tokenizer of ``folder``'s ``tokenizer.json``."""
+    pre = json.loads((folder / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre])
+    split = [s["pattern"].get("Regex") for s in steps if s.get("type") == "Split"]
+    byte_level = [s.get("use_regex", True) for s in steps if s.get("type") == "ByteLevel"]
+    digits = any(s.get("type") == "Digits" and s.get("individual_digits") for s in steps)
+    name = _BPE_PRE_TOKENIZERS.get((split[0] if split else None, digits, byte_level[0] if byte_level else None))
+    if name is None or len(split) > 1 or len(steps) != len(split) + len(byte_level) + digits:
+        raise ConfigError(
+            f"--tokenizer {folder}: the pre-tokenizer of its tokenizer.json is none llama.cpp's GGUF export knows "
+            "(Llama 3's, Qwen 2's, SmolLM's); llama.cpp would split text differently. Pass the base model's tokenizer.",
+            "--tokenizer",
+        )
+    return name
 
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    reverse = {token_id: token for token, token_id in tokenizer.get_vocab().items()}
-    added = tokenizer.get_added_vocab()
-    decoder = tokenizer.added_tokens_decoder
+
+def _add_space_prefix(writer, tokenizer_path: Path) -> None:
+    """convert_hf_to_gguf.py's ``LlamaModel.set_vocab``: ``add_prefix_space`` of ``tokenizer_config.json``."""
+    config_path = (tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent) / "tokenizer_config.json"
+    if config_path.is_file():
+        add_prefix_space = json.loads(config_path.read_text()).get("add_prefix_space")
+        if add_prefix_space is not None:
+            writer.add_add_space_prefix(add_prefix_space)
+
+
+def _looks_special(token: str) -> bool:
+    """convert_hf_to_gguf.py's ``does_token_look_special`` for the families exported here: ``<|...|>``."""
+    return token.startswith("<|") and token.endswith("|>")
+
+
+def _add_bpe_vocab(writer, folder: Path, n_vocab: int, pre: str) -> None:
+    """convert_hf_to_gguf.py's ``get_vocab_base`` + ``_set_vocab_gpt2``, with ``tokenizers`` (what transformers'
+    fast tokenizer runs) reading ``tokenizer.json``."""
+    gguf = _gguf()
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    reverse = {token_id: token for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items()}
+    added = tokenizer.get_added_tokens_decoder()
     _check_vocab(folder, max(reverse) + 1, n_vocab)
     tokens, types = [], []
     for i in range(n_vocab):
@@ -304,10 +396,16 @@ def _add_bpe_vocab(writer, folder: Path, n_vocab: int, pre: str) -> None:
         if token is None:
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
-        elif token in added:
-            if not decoder[i].normalized:
-                token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
-            types.append(gguf.TokenType.CONTROL if decoder[i].special else gguf.TokenType.USER_DEFINED)
+        elif i in added:
+            if not added[i].normalized:  # llama.cpp expects added tokens pre-normalized
+                token = tokenizer.decode(
+                    tokenizer.encode(token, add_special_tokens=False).ids, skip_special_tokens=False
+                )
+            if added[i].special or _looks_special(token):
+                types.append(gguf.TokenType.CONTROL)
+            else:
+                types.append(gguf.TokenType.USER_DEFINED)
+                token = token.replace("\u2581", " ")
             tokens.append(token)
         else:
             types.append(gguf.TokenType.NORMAL)
@@ -316,7 +414,12 @@ def _add_bpe_vocab(writer, folder: Path, n_vocab: int, pre: str) -> None:
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    gguf.SpecialVocab(folder, load_merges=True, n_vocab=n_vocab).add_to_gguf(writer)
+    special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n_vocab)
+    bos = special.special_token_ids.get("bos")
+    # where the files do not say, whether transformers' tokenizer starts a text with BOS (llama.cpp would add one to
+    # every gpt2 vocabulary; its converter writes false only for vocabularies of SmolLM2's size)
+    special.add_special_token.setdefault("bos", bos is not None and tokenizer.encode("a").ids[:1] == [bos])
+    special.add_to_gguf(writer)
 
 
 def _check_vocab(folder: Path, n_tokens: int, n_vocab: int) -> None:
@@ -334,7 +437,7 @@ def _llama_cpp_quantizer(type_: str) -> Callable[[Path, Path], None]:
     except ImportError as e:
         raise ImportError(
             f"--type {type_} is made by llama.cpp's quantizer, which needs llama-cpp-python: pip install "
-            "llama-cpp-python (builds llama.cpp from source) or `make llama-cpp`; f16 and q8_0 need only gguf."
+            "llama-cpp-python (builds llama.cpp from source) or `make llama-cpp`; f16 and q8_0 need nothing more."
         ) from e
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{GGUF_TYPES[type_]}")
 
@@ -383,17 +486,18 @@ def export_gguf(
     """
     if type not in GGUF_TYPES:
         raise ConfigError(f"--type {type!r} is not supported; use one of {', '.join(GGUF_TYPES)}.")
-    _gguf()
     quantize = None if type in _WRITTEN_TYPES else _llama_cpp_quantizer(type)
     written_type = "f16" if quantize else type
     model_dir, output = Path(model_dir), _check_output(Path(output))
     config, family = _read_config(model_dir)
     tokenizer_kind, tokenizer_path = _find_tokenizer(Path(tokenizer_dir) if tokenizer_dir else model_dir)
+    if tokenizer_kind == "bpe":
+        _bpe_pre_tokenizer(tokenizer_path)
     plan = _plan_tensors(model_dir, config, family, written_type)
     tmp = _temp_sibling(output)
     f16 = _temp_sibling(output) if quantize else tmp
     try:
-        _write(f16, plan, config, family, written_type, model_dir.name, tokenizer_kind, tokenizer_path, progress)
+        _write(f16, plan, config, family, written_type, model_dir, tokenizer_kind, tokenizer_path, progress)
         if quantize:
             quantize(f16, tmp)
         with open(tmp, "rb+") as f:
@@ -434,20 +538,23 @@ def _write(
     config: Dict[str, Any],
     family: _Family,
     type_: str,
-    name: str,
+    model_dir: Path,
     tokenizer_kind: str,
     tokenizer_path: Path,
     progress: Optional[Callable[[str], None]],
 ) -> None:
     gguf = _gguf()
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)])
-    _add_hparams(writer, config, family, type_, name)
+    for t in plan:
+        writer.add_tensor_info(t.name, t.shape, np.float32, _nbytes(gguf, t.shape, t.qtype), raw_dtype=t.qtype)
+    _add_metadata(writer, model_dir)
+    _add_hparams(writer, config, family, type_)
+    if family.permute_qk:
+        _add_space_prefix(writer, tokenizer_path)
     if tokenizer_kind == "spm":
         _add_spm_vocab(writer, tokenizer_path, config["vocab_size"])
     else:
-        _add_bpe_vocab(writer, tokenizer_path, config["vocab_size"], family.bpe_pre)
-    for t in plan:
-        writer.add_tensor_info(t.name, t.shape, np.float32, _nbytes(gguf, t.shape, t.qtype), raw_dtype=t.qtype)
+        _add_bpe_vocab(writer, tokenizer_path, config["vocab_size"], _bpe_pre_tokenizer(tokenizer_path))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

@@ -19,9 +19,10 @@ def add_export_subcommand(subparsers: argparse._SubParsersAction) -> None:
     gguf = formats.add_parser(
         "gguf",
         help="One .gguf file (Llama and Qwen 2 families), tokenizer included.",
-        description="Writes a merged HF folder as a GGUF file with llama.cpp's `gguf` package "
-        "(pip install 'torchtune_ext[gguf]'). Vectors and norms stay F32. q4_0, q5_0 and the k-quants are the f16 "
-        "file quantized by llama.cpp's quantizer (pip install llama-cpp-python, or make llama-cpp).",
+        description="Writes a merged HF folder as a GGUF file with llama.cpp's `gguf` package (installed with "
+        "torchtune_ext), the metadata llama.cpp's convert_hf_to_gguf.py writes. Vectors and norms stay F32. q4_0, "
+        "q5_0 and the k-quants are the f16 file quantized by llama.cpp's quantizer (pip install llama-cpp-python, or "
+        "make llama-cpp).",
     )
     gguf.add_argument("--model", required=True, help="the merged HF folder (config.json + *.safetensors)")
     gguf.add_argument("--output", required=True, help="the .gguf file to write")

@@ -8,15 +8,14 @@ import shutil
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf", reason="GGUF export needs llama.cpp's `gguf` package (pip install gguf)")
-
-from torchtune_ext.data._tiny import TINY_TOKENIZER_PATH, tiny_instruct_samples  # noqa: E402
-from torchtune_ext.data._tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
-from torchtune_ext.export import export_gguf  # noqa: E402
+from torchtune_ext.data._tiny import TINY_TOKENIZER_PATH, tiny_instruct_samples
+from torchtune_ext.data._tiny_checkpoint import write_tiny_checkpoint
+from torchtune_ext.export import export_gguf
 
 try:
     import llama_cpp
