@@ -18,8 +18,8 @@ from torchtune.models.qwen2_5 import (
 
 from torchtune_ext.models._chat_tokenizers import (
     Gemma2ChatTokenizer,
-    Llama3ChatTokenizer,
     Llama2ChatTokenizer,
+    Llama3ChatTokenizer,
     MistralChatTokenizer,
     Phi3ChatTokenizer,
     Qwen2_5ChatTokenizer,
@@ -120,8 +120,8 @@ QLORA_BUILDERS = {
 }
 __all__ = [
     "Gemma2ChatTokenizer",
-    "Llama3ChatTokenizer",
     "Llama2ChatTokenizer",
+    "Llama3ChatTokenizer",
     "MistralChatTokenizer",
     "Phi3ChatTokenizer",
     "Qwen2_5ChatTokenizer",
