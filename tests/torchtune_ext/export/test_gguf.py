@@ -448,3 +448,58 @@ def test_cli_export_gguf(models, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["export", "gguf", "--model", str(bad), "--output", str(tmp_path / "bad.gguf")])
     assert exit_.value.code == 2 and "architectures='GPT2LMHeadModel' cannot be exported" in capsys.readouterr().err
+
+
+def test_config_layouts_of_transformers_4_and_5_give_the_same_file(models, tmp_path):
+    """transformers 5 writes RoPE as ``rope_parameters`` (theta inside), 4.x as ``rope_theta`` + ``rope_scaling``:
+    both give the file's freq_base and llama3 factors. Before: a 5.x config was written with freq_base 10,000."""
+    config = json.loads((models["llama"] / "config.json").read_text())
+    scaling = config.pop("rope_scaling")
+    rope_parameters = {"rope_theta": 123_456.0, **scaling}
+    files = {}
+    for layout, fields in (
+        ("4", {"rope_theta": 123_456.0, "rope_scaling": {**scaling, "type": scaling.pop("rope_type")}}),
+        ("5", {"rope_parameters": rope_parameters}),
+    ):
+        folder = tmp_path / layout / "merged"
+        shutil.copytree(models["llama"], folder)
+        other = {k: v for k, v in config.items() if k != "rope_theta"}
+        (folder / "config.json").write_text(json.dumps({**other, **fields}))
+        files[layout] = gguf.GGUFReader(export_gguf(folder, tmp_path / f"{layout}.gguf"))
+    for reader in files.values():
+        assert _field(reader, "llama.rope.freq_base") == 123_456.0
+        tensors = {t.name: t for t in reader.tensors}
+        assert _values(tensors["rope_freqs.weight"])[-1] == 32.0
+    fields = [{k: _field(r, k) for k in r.fields} for r in files.values()]
+    assert fields[0] == fields[1]
+
+
+@pytest.mark.parametrize(
+    "change, line",
+    [
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type='dynamic'"),
+        ({"architectures": ["MistralForCausalLM"]}, "architectures='MistralForCausalLM'"),
+    ],
+    ids=["rope_type", "architecture"],
+)
+def test_unsupported_config_fails_before_writing(models, tmp_path, change, line):
+    folder = tmp_path / "m"
+    shutil.copytree(models["qwen"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=line):
+        export_gguf(folder, tmp_path / "m.gguf")
+    assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_a_pre_tokenizer_llama_cpp_lacks_is_refused(models, tmp_path):
+    """GPT-2's byte-level regex alone is no pre-tokenizer llama.cpp runs for these families: refused, naming
+    --tokenizer, before writing (before: written as the family's, so llama.cpp split text otherwise)."""
+    folder = tmp_path / "m"
+    shutil.copytree(models["qwen"], folder)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="--tokenizer .*the pre-tokenizer of its tokenizer.json is none llama.cpp"):
+        export_gguf(folder, tmp_path / "m.gguf")
+    assert not list(tmp_path.glob("*.gguf*"))

