@@ -60,7 +60,8 @@ def _ours(model: nn.Module) -> None:
 def _batch(world_size: int, step: int):
     gen = torch.Generator().manual_seed(step)
     shape = (world_size * ROWS_PER_RANK, SEQ)
-    return torch.randint(0, ARCH["vocab_size"], shape, generator=gen), torch.randint(0, 128, shape, generator=gen)
+    vocab = ARCH["vocab_size"]
+    return torch.randint(0, vocab, shape, generator=gen), torch.randint(0, vocab, shape, generator=gen)
 
 
 def _token_losses(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -106,7 +107,7 @@ def _check_state(model: nn.Module, reference: nn.Module, rank: int, what: str) -
             assert torch.equal(getattr(nf4[key], name), getattr(weight, name)), (what, key, name)
 
 
-def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6, msg=lambda message: f"{what}: {message}")
 
 
@@ -142,7 +143,7 @@ def _worker(rank: int, world_size: int) -> None:
         if rank == 0:
             assert adapters and all("lora_" in key for key in adapters), what
             for key, value in adapters.items():
-                close(value, expected[key], f"{what} {key}")
+                _close(value, expected[key], f"{what} {key}")
 
 
 @pytest.mark.distributed
