@@ -101,6 +101,7 @@ class QLoRAFinetuneRecipeDistributed(QLoRARecipe):
             vocab_pruning_sharding=pruning_cfg["sharding"] if pruning_cfg is not None else "sharded",
             reshard_after_forward=self._reshard_after_forward,
             cpu_offload=self._fsdp_cpu_offload,
+            mesh=self._device_mesh,
         )
 
     @property

@@ -8,6 +8,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -36,6 +37,7 @@ def shard_model(
     vocab_pruning_sharding: str = "sharded",
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    mesh: Optional[DeviceMesh] = None,
 ) -> None:
     """Applies FSDP2 per decoder layer in the compute dtype, then to the root.
 
@@ -56,6 +58,8 @@ def shard_model(
         vocab_pruning_sharding (str): ``"sharded"`` or ``"replicated"``.
         reshard_after_forward (bool): free gathered params after forward (FULL_SHARD) or keep them (SHARD_GRAD_OP).
         cpu_offload (bool): FSDP CPU offload of params, grads and optimizer state (accelerators only).
+        mesh (Optional[DeviceMesh]): the 1-D mesh to shard over; None: torch's default (the process group on the
+            host's accelerator, else the CPU).
 
     NF4 weights whose rows or scale groups do not divide the world size are sharded unevenly by whole scale groups
     (padded, :class:`torchtune_ext.nf4.UnevenNF4Tensor`: FSDP2's own split of them, as under plain ``fully_shard``);
@@ -77,7 +81,7 @@ def shard_model(
         raise ValueError(f"shard_model expects a TransformerDecoder with decoder layers, got {type(model).__name__}.")
     if dist.is_initialized() and dist.get_world_size() == 1:
         return
-    common = {"reshard_after_forward": reshard_after_forward}
+    common = {"reshard_after_forward": reshard_after_forward, "mesh": mesh}
     if cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()
     compute = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
