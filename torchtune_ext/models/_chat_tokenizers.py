@@ -26,6 +26,7 @@ kept are those of the untruncated sample.
 import json
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import regex
 from torchtune.data import Message
 from torchtune.data._prompt_templates import _get_prompt_template, _TemplateType
 from torchtune.models.gemma import GemmaTokenizer
@@ -158,10 +159,22 @@ class _ChatMLMixin:
         return sample
 
 
+#: SmolLM2's pre-tokenizer (its ``tokenizer.json``): every digit on its own (``Digits(individual_digits=True)``), then
+#: GPT-2's byte-level split of each piece. torchtune's Qwen2 split differs (``"\n\n"`` one piece, not two).
+_DIGIT = regex.compile(r"(\p{N})")
+_GPT2_SPLIT = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+
 class SmolLM2Tokenizer(_ChatMLMixin, Qwen2Tokenizer):
-    """torchtune's ``Qwen2Tokenizer`` with SmolLM2-Instruct's chat template (see the module docstring)."""
+    """torchtune's ``Qwen2Tokenizer`` with SmolLM2-Instruct's chat template (see the module docstring) and its own
+    pre-tokenizer (digits one by one, then GPT-2's split)."""
 
     default_system = SMOLLM2_DEFAULT_SYSTEM
+
+    def _tokenize(self, text: str) -> List[str]:
+        pieces = (piece for part in _DIGIT.split(text) if part for piece in _GPT2_SPLIT.findall(part))
+        byte_pieces = ("".join(self.byte_encoder[b] for b in piece.encode("utf-8")) for piece in pieces)
+        return [token for piece in byte_pieces for token in self._bpe(piece).split(" ")]
 
 
 class Qwen2_5ChatTokenizer(_ChatMLMixin, Qwen2_5Tokenizer):  # noqa: N801
