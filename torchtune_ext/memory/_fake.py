@@ -26,7 +26,7 @@ import torchtune_ext.modules.low_precision as low_precision
 # The switches of our NF4 code's CPU-only branches, and the values that turn those branches off: in the module that
 # defines linear_nf4 (slab-wise CPU matmuls), and in the one that defines the dequantize_nf4 it calls (chunked CPU
 # decoding into huge pages; lookup-table caches keyed by device).
-_LINEAR_SWITCHES = {"_CPU_SLAB_NUMEL": 1 << 62}
+_LINEAR_SWITCHES = {"_CPU_SLAB_NUMEL": 1 << 62, "_SMALL_BATCH_TOKENS": 0}
 _CODEC_SWITCHES = {"_CPU_CHUNK_NUMEL": 1 << 62}
 _CODEC_ALLOCATOR = "empty_with_huge_pages"
 # Per-(dtype, device) lookup-table caches: fake tables must not outlive an estimate, real ones must not enter it.
