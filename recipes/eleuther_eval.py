@@ -21,7 +21,7 @@ from torchtune_ext.config import exit_on_config_error, parse
 from torchtune_ext.evaluation import run_eleuther_eval
 
 
-@exit_on_config_error("eleuther_eval")  # [issue 17] a config error: one line, exit code 2
+@exit_on_config_error("eleuther_eval")  # a config error: one line, exit code 2
 @parse  # torchtune's config.parse, with overrides whose value holds "=" (prompt="2+2=?")
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/eleuther_eval.py --config <yaml> [key=value ...]``."""

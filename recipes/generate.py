@@ -27,7 +27,7 @@ from torchtune_ext.config import exit_on_config_error, parse
 from torchtune_ext.generation import run_generation
 
 
-@exit_on_config_error("generate")  # [issue 17] a config error: one line, exit code 2
+@exit_on_config_error("generate")  # a config error: one line, exit code 2
 @parse  # torchtune's config.parse, with overrides whose value holds "=" (prompt="2+2=?")
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/generate.py --config <yaml> [key=value ...]``."""

@@ -119,14 +119,14 @@ class QLoRAFinetuneRecipeDistributed(QLoRARecipe):
             self._pad_to_multiple = self._loss_fn.num_output_chunks
 
 
-@exit_on_config_error("qlora_finetune_distributed")  # [issue 17] a config error: one line, exit code 2
+@exit_on_config_error("qlora_finetune_distributed")  # a config error: one line, exit code 2
 @parse  # torchtune's config.parse, with overrides whose value holds "="
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run --nproc_per_node N recipes/qlora_finetune_distributed.py --config <yaml> [k=v ...]``."""
     if int(os.environ.get("RANK", "0")) == 0:
         config.log_config(recipe_name="QLoRAFinetuneRecipeDistributed", cfg=cfg)
     if cfg.get("dry_run", False):
-        per_rank_dry_run(QLoRAFinetuneRecipeDistributed, cfg)  # [issue 19] each rank's peak, no launcher needed
+        per_rank_dry_run(QLoRAFinetuneRecipeDistributed, cfg)  # each rank's peak, no launcher needed
         return
     recipe = QLoRAFinetuneRecipeDistributed(cfg=cfg)
     init_distributed(recipe.settings.device, recipe._process_group_timeout_s)

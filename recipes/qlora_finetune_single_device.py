@@ -119,7 +119,7 @@ class QLoRAFinetuneRecipeSingleDevice(QLoRARecipe):
         return super().optimizer_step(num_tokens)
 
 
-@exit_on_config_error("qlora_finetune_single_device")  # [issue 17] a config error: one line, exit code 2
+@exit_on_config_error("qlora_finetune_single_device")  # a config error: one line, exit code 2
 @parse  # torchtune's config.parse, with overrides whose value holds "="
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/qlora_finetune_single_device.py --config <yaml> [key=value ...]``."""

@@ -12,8 +12,8 @@ from typing import Dict, Optional
 _SINGLE_DEVICE_MARK = "single_device"
 SINGLE_DEVICE_RECIPE = "qlora_finetune_single_device"
 DISTRIBUTED_RECIPE = "qlora_finetune_distributed"
-GENERATION_RECIPE = "generate"  # [issue 18] configs named *generation
-EVAL_RECIPE = "eleuther_eval"  # [issue 18] configs named *eleuther_eval
+GENERATION_RECIPE = "generate"  # configs named *generation
+EVAL_RECIPE = "eleuther_eval"  # configs named *eleuther_eval
 
 
 def recipe_files() -> Dict[str, Path]:
@@ -42,9 +42,9 @@ def recipe_of(config_name: str) -> str:
     Returns:
         str: the recipe the config is written for.
     """
-    if config_name.endswith("eleuther_eval"):  # [issue 18]
+    if config_name.endswith("eleuther_eval"):
         return EVAL_RECIPE
-    if "generation" in config_name:  # [issue 18]
+    if "generation" in config_name:
         return GENERATION_RECIPE
     return SINGLE_DEVICE_RECIPE if _SINGLE_DEVICE_MARK in config_name else DISTRIBUTED_RECIPE
 

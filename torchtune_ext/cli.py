@@ -30,7 +30,7 @@ from torchtune._cli.run import Run
 from torchtune_ext import _use_cli
 from torchtune_ext._shipped import config_files, recipe_files, recipe_of
 from torchtune_ext.config import exit_on_config_error
-from torchtune_ext.export import add_export_subcommand  # [issue 18]
+from torchtune_ext.export import add_export_subcommand
 
 
 def _resolve(name: str, known: Dict[str, Path], what: str) -> Path:
@@ -80,7 +80,7 @@ def _cp(args: argparse.Namespace) -> None:
         destination.parent.mkdir(parents=True)
     shutil.copyfile(source, destination)
     print(f"Copied {source} to {destination}")
-    if source.suffix == ".py":  # [issue 16] how to hack a recipe
+    if source.suffix == ".py":  # how to hack a recipe
         print(_HACK_HINT.format(recipe=destination))
 
 
@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     cat = subparsers.add_parser("cat", help="Print a shipped config.")
     cat.add_argument("config", help="a config name from `tune-ext ls`")
     cat.set_defaults(func=_cat)
-    _use_cli.add_subcommands(subparsers, lambda name: _resolve(name, config_files(), "config"))  # [issue 18]
-    add_export_subcommand(subparsers)  # [issue 18] tune-ext export gguf
+    _use_cli.add_subcommands(subparsers, lambda name: _resolve(name, config_files(), "config"))
+    add_export_subcommand(subparsers)  # tune-ext export gguf
     return parser
 
 
@@ -180,7 +180,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     """
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    exit_on_config_error("tune-ext")(args.func)(args)  # [issue 17] config errors: one line, exit code 2
+    exit_on_config_error("tune-ext")(args.func)(args)  # config errors: one line, exit code 2
 
 
 if __name__ == "__main__":

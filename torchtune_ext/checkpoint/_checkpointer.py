@@ -47,10 +47,10 @@ from torchtune_ext.checkpoint._hf import (
     write_hf_model_files,
     write_json,
 )
-from torchtune_ext.checkpoint._recipe_state import RecipeState  # [issue 24]
+from torchtune_ext.checkpoint._recipe_state import RecipeState
 from torchtune_ext.checkpoint._validate import check_checkpoint_matches, check_finite_merged
 from torchtune_ext.checkpoint._writes import writing
-from torchtune_ext.config import ConfigFileNotFoundError  # [issue 17] one line, no traceback
+from torchtune_ext.config import ConfigFileNotFoundError  # one line, no traceback
 from torchtune_ext.modules.vocab_pruning import is_vocab_key
 from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4
 
@@ -220,12 +220,12 @@ class QLoRAHFCheckpointer:
                 every unexpected, missing or mis-shaped weight.
         """
         converter = HFConverter.for_model(self.model_type, model)
-        check_checkpoint_matches(self, model, builder)  # [issue 24]
+        check_checkpoint_matches(self, model, builder)
         expected = base_keys(model)
         locations, unexpected, mis_shaped = {}, [], []
         for path in self.checkpoint_paths:
             for hf_key, info in _safetensors.check_complete(path).items():
-                try:  # [issue 20] one HF tensor may hold several (Phi's fused qkv_proj)
+                try:  # one HF tensor may hold several (Phi's fused qkv_proj)
                     converted = converter.to_tune_all(hf_key, torch.empty(info["shape"], device="meta"))
                 except Exception:  # torchtune's key mapping raises a bare Exception on an unknown key
                     converted = [(hf_key, None)]
@@ -298,7 +298,7 @@ class QLoRAHFCheckpointer:
                 tensors, current = _safetensors.iter_tensors(path), path
             state = {}
             for _ in range(count):
-                state.update(self.converter.to_tune_all(*next(tensors)))  # [issue 20]
+                state.update(self.converter.to_tune_all(*next(tensors)))
             yield state
 
     def read_tensor(self, key: str) -> torch.Tensor:
@@ -310,7 +310,7 @@ class QLoRAHFCheckpointer:
             torch.Tensor: that tensor of the base checkpoint, in torchtune's layout and the checkpoint's dtype.
         """
         path, hf_key = self._locations[key]
-        return dict(self.converter.to_tune_all(hf_key, _safetensors.read_tensor(path, hf_key)))[key]  # [issue 20]
+        return dict(self.converter.to_tune_all(hf_key, _safetensors.read_tensor(path, hf_key)))[key]
 
     def read_vocab(self) -> Dict[str, torch.Tensor]:
         """The base's full-vocabulary embedding/output tensors (torchtune keys), to export a vocab-pruned model into.
@@ -352,7 +352,7 @@ class QLoRAHFCheckpointer:
         dtype: torch.dtype,
         adapter_config: Dict[str, Any],
         base: str,
-        shapes: Optional[Dict[str, torch.Size]] = None,  # [issue 18] a lazy state (tune-ext merge) gives its shapes
+        shapes: Optional[Dict[str, torch.Size]] = None,  # a lazy state (tune-ext merge) gives its shapes
     ) -> None:
         """Writes the merged model (shards, index, config.json, the base's other files) into ``folder``, one tensor
         at a time, each read from ``state`` when its turn comes.
@@ -367,7 +367,7 @@ class QLoRAHFCheckpointer:
         """
         converter = self.converter
         shapes = shapes or {k: v.shape for k, v in state.items()}
-        # [issue 20] an HF tensor may be several of ours (Phi's fused qkv_proj / gate_up_proj)
+        # an HF tensor may be several of ours (Phi's fused qkv_proj / gate_up_proj)
         groups = converter.hf_groups({k: v for k, v in shapes.items() if not is_adapter_key(k)})
         specs = [_safetensors.TensorSpec(hf_key, shape, dtype) for hf_key, (_, shape) in groups.items()]
         shards = _safetensors.plan_shards(specs, self.max_shard_bytes)
@@ -375,9 +375,9 @@ class QLoRAHFCheckpointer:
         def tensors(shard):
             for spec in shard:
                 merged = {k: self._merged_tensor(state, k, dtype, adapter_config, base) for k in groups[spec.name][0]}
-                yield converter.group_to_hf({k: check_finite_merged(k, v) for k, v in merged.items()})  # [issue 24]
+                yield converter.group_to_hf({k: check_finite_merged(k, v) for k, v in merged.items()})
 
-        write_hf_model_files(folder, shards, tensors, self.hf_config, dtype)  # [issue 16] one HF folder writer
+        write_hf_model_files(folder, shards, tensors, self.hf_config, dtype)  # one HF folder writer
         for src in sorted(self.checkpoint_dir.iterdir()):
             skip = (
                 src.suffix in _WEIGHT_SUFFIXES
@@ -385,7 +385,7 @@ class QLoRAHFCheckpointer:
                 or src.name in (SAFETENSORS_INDEX, "config.json", "pytorch_model.bin.index.json")
             )
             if src.is_file() and not skip:
-                with writing(folder / src.name):  # [issue 24] a failed copy names the file and the cause
+                with writing(folder / src.name):  # a failed copy names the file and the cause
                     shutil.copy2(src, folder / src.name)
 
     def _write_adapter(self, state: Dict[str, torch.Tensor], folder: Path, adapter_config: Dict[str, Any]) -> None:
@@ -395,7 +395,7 @@ class QLoRAHFCheckpointer:
         specs = [_safetensors.TensorSpec(k, v.shape, v.dtype) for k, v in converted]
         _safetensors.write_tensors(folder / "adapter_model.safetensors", specs, converted)
         config = peft_adapter_config(base_model_name_or_path=self.base_model_name_or_path, **adapter_config)
-        config = self.converter.peft_config(  # [issue 20] Phi: fused target modules
+        config = self.converter.peft_config(  # Phi: fused target modules
             config, list(adapter_config["target_modules"]), adapter_config["rank"], adapter_config["alpha"]
         )
         write_json(folder / "adapter_config.json", config)
@@ -439,7 +439,7 @@ class QLoRAHFCheckpointer:
         with atomic_directory(final) as tmp:
             (tmp / ADAPTER_DIRNAME).mkdir()
             self._write_adapter(state_dict, tmp / ADAPTER_DIRNAME, adapter_config)
-        if save_merged:  # [issue 24] small files first
+        if save_merged:  # small files first
             self.save_merged(state_dict, step, adapter_config, dtype, merge_base)
         return final
 
@@ -481,7 +481,7 @@ class QLoRAHFCheckpointer:
             List[Path]: what was deleted.
         """
         folders = {self.output_dir, self.output_dir / RECIPE_STATE_DIRNAME, self.recipe_checkpoint.parent}
-        folders |= {p for p in self.output_dir.glob("step_*") if p.is_dir()}  # [issue 24] killed merged exports
+        folders |= {p for p in self.output_dir.glob("step_*") if p.is_dir()}  # killed merged exports
         return [path for folder in sorted(folders) for path in remove_stale_temporaries(folder)]
 
     def save_recipe_state(self, state: RecipeState) -> Path:
@@ -493,7 +493,7 @@ class QLoRAHFCheckpointer:
         Returns:
             Path: the file.
         """
-        return state.save(self.output_dir / RECIPE_STATE_DIRNAME / RECIPE_STATE_FILENAME)  # [issue 24]
+        return state.save(self.output_dir / RECIPE_STATE_DIRNAME / RECIPE_STATE_FILENAME)
 
     def load_recipe_state(self) -> RecipeState:
         """
@@ -505,7 +505,7 @@ class QLoRAHFCheckpointer:
             FileNotFoundError: if there is none.
             ValueError: if it is not a readable recipe state, or holds anything but tensors and plain data.
         """
-        return RecipeState.load(self.recipe_checkpoint)  # [issue 24]
+        return RecipeState.load(self.recipe_checkpoint)
 
 
 #: PEFT trainable-tokens module name -> (torchtune key of the full-vocabulary weight, PEFT key of its rows).

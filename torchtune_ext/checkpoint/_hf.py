@@ -37,15 +37,15 @@ SUPPORTED_MODEL_TYPES: Dict[str, bool] = {
     "LLAMA3_2": True,
     "MISTRAL": True,
     "QWEN2": False,
-    "QWEN3": False,  # [issue 20]
-    "GEMMA2": True,  # [issue 20]
-    "PHI3_MINI": False,  # [issue 20] fused qkv / gate_up: Phi3Converter
+    "QWEN3": False,
+    "GEMMA2": True,
+    "PHI3_MINI": False,  # fused qkv / gate_up: Phi3Converter
 }
 
 #: model_type -> (hf_to_tune, tune_to_hf, HF -> torchtune key map) of families with their own conversion.
 _FAMILY_CONVERTERS: Dict[str, Tuple[Callable[..., Any], Callable[..., Any], Dict[str, Any]]] = {
-    "QWEN3": (_qwen3.hf_to_tune, _qwen3.tune_to_hf, _qwen3.QWEN3_FROM_HF),  # [issue 20]
-    "GEMMA2": (_gemma2.hf_to_tune, _gemma2.tune_to_hf, _gemma2.GEMMA2_FROM_HF),  # [issue 20]
+    "QWEN3": (_qwen3.hf_to_tune, _qwen3.tune_to_hf, _qwen3.QWEN3_FROM_HF),
+    "GEMMA2": (_gemma2.hf_to_tune, _gemma2.tune_to_hf, _gemma2.GEMMA2_FROM_HF),
 }
 
 _ADAPTER_SUFFIXES = {
@@ -123,7 +123,7 @@ class HFConverter:
         Returns:
             HFConverter: the converter.
         """
-        if cls is HFConverter and model_type == "PHI3_MINI":  # [issue 20] fused HF tensors
+        if cls is HFConverter and model_type == "PHI3_MINI":  # fused HF tensors
             from torchtune_ext.checkpoint._phi3 import Phi3Converter
 
             return Phi3Converter.for_model(model_type, model)

@@ -61,7 +61,7 @@ def write_random_hf_checkpoint(
         scale = embedding_std if embedding_std is not None and key in _EMBEDDING_KEYS else std
         return torch.empty(shape, dtype=torch.float32).normal_(0, scale, generator=generator).to(dtype)
 
-    groups = converter.hf_groups({k: v.shape for k, v in base.items()})  # [issue 20] Phi's fused HF tensors
+    groups = converter.hf_groups({k: v.shape for k, v in base.items()})  # Phi's fused HF tensors
     specs = [_safetensors.TensorSpec(hf_key, shape, dtype) for hf_key, (_, shape) in groups.items()]
     shards = [specs] if max_shard_size_mb is None else _safetensors.plan_shards(specs, max_shard_size_mb * 1024**2)
 

@@ -28,9 +28,9 @@ HF_MODEL_TYPES: Dict[str, Sequence[str]] = {
     "LLAMA3_2": ("llama",),
     "MISTRAL": ("mistral",),
     "QWEN2": ("qwen2",),
-    "QWEN3": ("qwen3",),  # [issue 20]
-    "GEMMA2": ("gemma2",),  # [issue 20]
-    "PHI3_MINI": ("phi3",),  # [issue 20]
+    "QWEN3": ("qwen3",),
+    "GEMMA2": ("gemma2",),
+    "PHI3_MINI": ("phi3",),
 }
 _LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 _LFS_POINTER_MAX_BYTES = 1024
@@ -97,9 +97,9 @@ def check_hf_config(
     """
     problems = _model_type_problems(hf_config, model_type) + _size_problems(hf_config, model)
     problems += _tying_problems(hf_config, model, has_lm_head)
-    problems += qwen3_config_problems(hf_config, model_type, model)  # [issue 20] settings no weight shape shows
-    problems += gemma2_config_problems(hf_config, model)  # [issue 20] settings no weight shape shows
-    problems += phi_rope_problems(hf_config, model)  # [issue 20] RoPE is in no weight's shape
+    problems += qwen3_config_problems(hf_config, model_type, model)  # settings no weight shape shows
+    problems += gemma2_config_problems(hf_config, model)  # settings no weight shape shows
+    problems += phi_rope_problems(hf_config, model)  # RoPE is in no weight's shape
     if problems:
         raise ValueError(
             f"The checkpoint's config.json does not match {_builder_name(builder)} (checkpointer.model_type="

@@ -48,7 +48,7 @@ RECIPE_KEYS = frozenset(
         "max_validation_steps", "resume_from_checkpoint", "save_adapter_weights_only", "merge_base", "compile",
         "enable_activation_checkpointing", "enable_activation_offloading", "tiled_mlp_tokens", "loss_scaler",
         "vocab_pruning", "dry_run", "device_memory_gb", "keep_last_n_checkpoints", "merge_every_epoch",
-        "device_profile", "compute_capability", "host_memory_gb", "memory_headroom", "world_size",  # [issue 19]
+        "device_profile", "compute_capability", "host_memory_gb", "memory_headroom", "world_size",
         # distributed
         "fsdp_cpu_offload", "fsdp_reshard_after_forward", "process_group_timeout_s",
         # torchtune's, for configs shared with its recipes: ours always log memory

@@ -58,7 +58,7 @@ def write_tiny_checkpoint(
     checkpoint_dir = Path(checkpoint_dir)
     files = [checkpoint_dir / "config.json", checkpoint_dir / "model.safetensors"]
     if not overwrite and all(f.is_file() for f in files):
-        write_tiny_tokenizer_files(checkpoint_dir)  # [issue 18] folders written before the tokenizer files were
+        write_tiny_tokenizer_files(checkpoint_dir)  # folders written before the tokenizer files were
         return checkpoint_dir
     builder, args, hf_config, model_type = _FAMILIES[family]
     torch_dtype = parse_dtype(dtype)

@@ -178,7 +178,7 @@ def _accelerator_device() -> torch.device:
 
 def group_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     """The device that tensors must live on to be sent over ``group`` (default: the world group)."""
-    # [issue 19] "fake": the per-rank dry run's process group, on fake CPU tensors
+    # "fake": the per-rank dry run's process group, on fake CPU tensors
     return torch.device("cpu") if dist.get_backend(group) in ("gloo", "fake") else _accelerator_device()
 
 

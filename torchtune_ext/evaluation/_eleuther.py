@@ -92,7 +92,7 @@ class EleutherEvalRecipe:
     """
 
     def __init__(self, cfg: DictConfig):
-        check_generation_config(cfg, EVAL_KEYS)  # [issue 17] unknown keys, a device that is not there
+        check_generation_config(cfg, EVAL_KEYS)  # unknown keys, a device that is not there
         self._device = utils.get_device(device=cfg.device)
         self._dtype = parse_dtype(cfg.get("dtype", "fp32"), self._device)
         tasks = cfg.get("tasks", None)

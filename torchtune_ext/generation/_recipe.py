@@ -107,7 +107,7 @@ class GenerationRecipe:
     def __init__(self, cfg: DictConfig):
         if cfg.get("dry_run", False) and OmegaConf.is_missing(cfg, "adapter_dir"):
             cfg.adapter_dir = None  # the estimate takes the LoRA shape from `model:`; it reads no adapter
-        check_generation_config(cfg)  # [issue 17] unknown keys, a device that is not there: one line, exit 2
+        check_generation_config(cfg)  # unknown keys, a device that is not there: one line, exit 2
         self._dry_run = bool(cfg.get("dry_run", False))
         self._device = torch.device(cfg.device) if self._dry_run else utils.get_device(device=cfg.device)
         self._dtype = parse_dtype(cfg.get("dtype", "fp32"), None if self._dry_run else self._device)

@@ -37,10 +37,10 @@ from torchtune_ext.models._chat_tokenizers import (
 from torchtune_ext.models._from_hf import torchtune_builder_for
 from torchtune_ext.models._gemma2 import lora_gemma2, lora_gemma2_2b, lora_gemma2_9b, lora_gemma2_27b
 from torchtune_ext.models._init import check_adapter_state, init_adapters_, init_weights_, materialize_
-from torchtune_ext.models._phi3 import lora_phi, lora_phi3_5_mini, lora_phi4_mini  # [issue 20]
+from torchtune_ext.models._phi3 import lora_phi, lora_phi3_5_mini, lora_phi4_mini
 from torchtune_ext.models._phi4_mini_tokenizer import Phi4MiniTokenizer, phi4_mini_tokenizer
 from torchtune_ext.models._qlora import build_qlora, qlora_builder
-from torchtune_ext.models._qwen3 import (  # [issue 20]
+from torchtune_ext.models._qwen3 import (
     lora_qwen3,
     lora_qwen3_0_6b,
     lora_qwen3_1_7b,
@@ -63,7 +63,7 @@ qlora_llama2_13b = qlora_builder(lora_llama2_13b)
 qlora_llama2_70b = qlora_builder(lora_llama2_70b)
 qlora_llama3_1_8b = qlora_builder(lora_llama3_1_8b)
 qlora_llama3_1_70b = qlora_builder(lora_llama3_1_70b)
-qlora_llama3_3_70b = qlora_llama3_1_70b  # [issue 20] Llama 3.3 70B: Llama 3.1 70B's architecture (as torchtune)
+qlora_llama3_3_70b = qlora_llama3_1_70b  # Llama 3.3 70B: Llama 3.1 70B's architecture (as torchtune)
 qlora_llama3_2_1b = qlora_builder(lora_llama3_2_1b)
 qlora_llama3_2_3b = qlora_builder(lora_llama3_2_3b)
 qlora_qwen2_5_0_5b = qlora_builder(lora_qwen2_5_0_5b)
@@ -75,17 +75,17 @@ qlora_smollm2 = qlora_builder(lora_smollm2)
 qlora_smollm2_135m = qlora_builder(lora_smollm2_135m)
 qlora_smollm2_360m = qlora_builder(lora_smollm2_360m)
 qlora_smollm2_1_7b = qlora_builder(lora_smollm2_1_7b)
-qlora_qwen3 = qlora_builder(lora_qwen3)  # [issue 20]
+qlora_qwen3 = qlora_builder(lora_qwen3)
 qlora_qwen3_0_6b = qlora_builder(lora_qwen3_0_6b)
 qlora_qwen3_1_7b = qlora_builder(lora_qwen3_1_7b)
 qlora_qwen3_4b = qlora_builder(lora_qwen3_4b)
 qlora_qwen3_8b = qlora_builder(lora_qwen3_8b)
 qlora_qwen3_14b = qlora_builder(lora_qwen3_14b)
-qlora_gemma2 = qlora_builder(lora_gemma2)  # [issue 20] Gemma 2
+qlora_gemma2 = qlora_builder(lora_gemma2)  # Gemma 2
 qlora_gemma2_2b = qlora_builder(lora_gemma2_2b)
 qlora_gemma2_9b = qlora_builder(lora_gemma2_9b)
 qlora_gemma2_27b = qlora_builder(lora_gemma2_27b)
-qlora_phi3_mini = qlora_builder(lora_phi3_mini)  # [issue 20] Phi-3-mini-4k (plain RoPE)
+qlora_phi3_mini = qlora_builder(lora_phi3_mini)  # Phi-3-mini-4k (plain RoPE)
 qlora_phi3_5_mini = qlora_builder(lora_phi3_5_mini)  # LongRoPE from the checkpoint's config.json
 qlora_phi4_mini = qlora_builder(lora_phi4_mini)
 
@@ -106,7 +106,7 @@ QLORA_BUILDERS = {
     qlora_smollm2_135m: lora_smollm2_135m,
     qlora_smollm2_360m: lora_smollm2_360m,
     qlora_smollm2_1_7b: lora_smollm2_1_7b,
-    qlora_qwen3_0_6b: lora_qwen3_0_6b,  # [issue 20]
+    qlora_qwen3_0_6b: lora_qwen3_0_6b,
     qlora_qwen3_1_7b: lora_qwen3_1_7b,
     qlora_qwen3_4b: lora_qwen3_4b,
     qlora_qwen3_8b: lora_qwen3_8b,
@@ -114,7 +114,7 @@ QLORA_BUILDERS = {
     qlora_gemma2_2b: lora_gemma2_2b,
     qlora_gemma2_9b: lora_gemma2_9b,
     qlora_gemma2_27b: lora_gemma2_27b,
-    qlora_phi3_mini: lora_phi3_mini,  # [issue 20]
+    qlora_phi3_mini: lora_phi3_mini,
     qlora_tiny_llama: lora_tiny_llama,
     qlora_tiny_qwen: lora_tiny_qwen,
 }
@@ -148,7 +148,7 @@ __all__ = [
     "lora_gemma2_9b",
     "lora_gemma2_27b",
     "qlora_gemma2",
-    "lora_phi",  # [issue 20]
+    "lora_phi",
     "lora_phi3_5_mini",
     "lora_phi4_mini",
     "Phi4MiniTokenizer",
@@ -165,7 +165,7 @@ __all__ = [
     "materialize_",
     "qlora_builder",
     "qlora_smollm2",
-    "lora_qwen3",  # [issue 20]
+    "lora_qwen3",
     "lora_qwen3_0_6b",
     "lora_qwen3_1_7b",
     "lora_qwen3_4b",

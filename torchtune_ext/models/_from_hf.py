@@ -47,7 +47,7 @@ def torchtune_builder_for(hf_config: Dict[str, Any]) -> Tuple[Callable[..., Tran
             f"config.json has model_type={model_type!r}; supported: {sorted(HF_MODEL_TYPES)} (Llama 2/3.x, Mistral, "
             "Qwen 2/2.5, Qwen3, Gemma 2)."
         )
-    if model_type == "gemma2":  # [issue 20]
+    if model_type == "gemma2":
         return lora_gemma2, gemma2_builder_args(hf_config), HF_MODEL_TYPES[model_type]
     heads = hf_config["num_attention_heads"]
     args = dict(
@@ -64,12 +64,12 @@ def torchtune_builder_for(hf_config: Dict[str, Any]) -> Tuple[Callable[..., Tran
     scaling = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
     args["rope_base"] = hf_config.get("rope_theta", scaling.get("rope_theta", 10_000.0))
     tied = bool(hf_config.get("tie_word_embeddings", False))
-    if model_type == "qwen3":  # [issue 20] head_dim is not hidden_size // heads (0.6B, 4B)
+    if model_type == "qwen3":  # head_dim is not hidden_size // heads (0.6B, 4B)
         if scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ValueError(f"config.json has rope_scaling={scaling}; Qwen3 is supported without RoPE scaling.")
         qwen3 = dict(head_dim=hf_config.get("head_dim", args["embed_dim"] // heads), tie_word_embeddings=tied)
         return lora_qwen3, {**args, **qwen3}, HF_MODEL_TYPES[model_type]
-    if model_type == "phi3":  # [issue 20] Phi-3 / 3.5 / 4 / 4-mini
+    if model_type == "phi3":  # Phi-3 / 3.5 / 4 / 4-mini
         phi = dict(
             partial_rotary_factor=hf_config.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0)),
             tie_word_embeddings=tied,

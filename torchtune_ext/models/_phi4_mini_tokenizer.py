@@ -1,4 +1,4 @@
-"""[issue 20] Phi-4-mini's model tokenizer: its ``tokenizer.json`` (o200k byte-level BPE) through torchtune's
+"""Phi-4-mini's model tokenizer: its ``tokenizer.json`` (o200k byte-level BPE) through torchtune's
 ``HuggingFaceBaseTokenizer``, and its chat format
 ``<|system|>...<|end|><|user|>...<|end|><|assistant|>...<|end|><|endoftext|>`` (the ``chat_template`` of
 Phi-4-mini-instruct's ``tokenizer_config.json``; no BOS, no newlines between turns).

@@ -124,7 +124,7 @@ def build_qlora(
         _replace_linears(model, dtype, adapter_dtype or dtype)
         if frozen_dtype is not None and frozen_dtype != dtype:
             _store_frozen_weights_in(model, dtype, frozen_dtype)
-            store_gemma2_frozen_weights_in_(model, dtype, frozen_dtype)  # [issue 20] its scaled embedding
+            store_gemma2_frozen_weights_in_(model, dtype, frozen_dtype)  # its scaled embedding
         use_contiguous_chunks_(model)
         share_rope_(model)  # one RoPE cache per model, grown on demand (issue 25)
     model._register_state_dict_hook(dense_state_dict_post_hook)

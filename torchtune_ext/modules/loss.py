@@ -21,22 +21,11 @@ Two paths, chosen per call from the output projection:
   activation checkpoint, which saves only the chunk's hidden states; backward recomputes the chunk (4 matmuls),
   so every trainable parameter gets its exact gradient with no knowledge of the module.
 
-Measured by ``bench/loss_memory.py`` on Llama 3.2 1B's output (a frozen 128,256 x 2048 weight, every token
-labelled), against torchtune's ``CEWithChunkedOutputLoss`` over the model's 8-chunk output. Logits memory: the peak
-of live tensor bytes during forward + backward, minus the inputs and the hidden states' gradient; time: a real
-forward + backward on 2 shared CPU cores (best of 2 at 1k tokens, one run at 4k: noisy)::
-
-    dtype  tokens  torchtune logits  fused: logits / time  checkpoint: logits / time
-    bf16   1024    810 MiB           0.116 / 0.10          0.155 / 0.16
-    bf16   4096    3241 MiB          0.029 / 0.48          0.039 / -
-    fp32   1024    994 MiB           0.063 / 1.02          0.126 / 1.24
-    fp32   4096    3976 MiB          0.016 / 0.77          0.032 / -
-
-(torchtune's bf16 time on CPU is dominated by a ``bmm`` in its backward that copies the weight for every chunk.)
 The fused path holds one fp32 chunk of logits (plus its bf16 copy) and does 3 matmuls; the checkpoint path holds
 the chunk's logits, an fp32 gradient buffer and its cast, and does 4 matmuls. So the fused path is used wherever
 the weight is a plain tensor, and the checkpoint path for the rest. The default chunk (:func:`auto_chunk_size`)
-makes a chunk's logits about the size of the hidden states, at least 128 tokens (smaller chunks were slower on CPU).
+makes a chunk's logits about the size of the hidden states, at least 128 tokens (smaller chunks were slower on CPU;
+the measurements are in BENCHMARKS.md, "Loss that never holds the logits").
 
 Numerics: the logits are computed in the weight's dtype (the model's compute dtype; the hidden states are cast to
 it first, as :meth:`VocabPruning.project` does) and the log-softmax in fp32, as torchtune. The fused path rounds
@@ -377,7 +366,7 @@ def _plain_weight(output: Any) -> Optional[torch.Tensor]:
 
 
 def _vocab_size(output: Any) -> Optional[int]:
-    if getattr(output, "projection", None) is not None:  # [issue 20] an output around a projection (Gemma 2's capping)
+    if getattr(output, "projection", None) is not None:  # an output around a projection (Gemma 2's capping)
         return _vocab_size(output.projection)
     if isinstance(output, TiedLinear):
         return output.tied_module.weight.shape[0]

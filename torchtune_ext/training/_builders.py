@@ -73,7 +73,7 @@ def build_tokenizer(cfg_tokenizer: DictConfig, checkpoint_dir: Optional[str] = N
     for key in TOKENIZER_FILE_KEYS:
         value = cfg_tokenizer.get(key, None)
         if isinstance(value, str) and not Path(value).is_file():
-            raise missing_tokenizer_file(key, value, checkpoint_dir)  # [issue 17] the hint keeps the subfolder
+            raise missing_tokenizer_file(key, value, checkpoint_dir)  # the hint keeps the subfolder
     return instantiate_component(cfg_tokenizer, "tokenizer")
 
 

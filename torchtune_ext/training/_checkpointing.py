@@ -20,7 +20,7 @@ def disk_plan(
     num_rows: Optional[int],
     merged_dtype: torch.dtype,
 ) -> DiskPlan:
-    """[issue 25] The disk a run will use.
+    """The disk a run will use.
 
     Args:
         settings (RecipeSettings): the run's settings.

@@ -51,7 +51,7 @@ def check_data(
                 check_dataset_size(len(data), batch_size, world_size)
     batches = len(dataset) // (batch_size * world_size)
     if batches < gradient_accumulation_steps:
-        raise ConfigError(  # [issue 17] an input error: one line, exit code 2
+        raise ConfigError(  # an input error: one line, exit code 2
             f"The data set gives {batches} batches of batch_size={batch_size}"
             + (" per rank" if world_size > 1 else "")
             + f", fewer than gradient_accumulation_steps={gradient_accumulation_steps}: lower either.",
@@ -65,7 +65,7 @@ def _check_samples_have_labels(dataset: Any, max_seq_len: Optional[int], ignore_
     count = min(len(dataset), limit)
     empty = [i for i in range(count) if all(int(label) == ignore_index for label in dataset[i]["labels"])]
     if count and len(empty) == count:
-        raise ConfigError(  # [issue 17] an input error: one line, exit code 2
+        raise ConfigError(  # an input error: one line, exit code 2
             f"None of the first {count} samples of the data set keeps a label token after truncation to "
             f"tokenizer.max_seq_len={max_seq_len}: their prompts are longer. Raise tokenizer.max_seq_len.",
             "tokenizer.max_seq_len",

@@ -90,7 +90,7 @@ def _bind(step: QLoRARecipe, model: nn.Module, loss_fn: Any, *, cfg: DictConfig,
         step._activation_offloading = OffloadedActivations.for_model(model)
     if step.world_size > 1:  # a per-rank dry run: its fake tensors and batches are on the CPU, whatever the host has
         step._device_mesh = init_device_mesh("cpu", (step.world_size,))
-    step._parallelize()  # [issue 19] FSDP2 on a fake process group (a per-rank dry run); no-op on one rank
+    step._parallelize()  # FSDP2 on a fake process group (a per-rank dry run); no-op on one rank
     step._setup_loss()
     if compile:  # what the recipe compiles: every decoder layer, and the loss unless LinearCrossEntropyLoss
         compile_for_estimate(model, None if isinstance(step._loss_fn, LinearCrossEntropyLoss) else step._loss_fn)
@@ -119,7 +119,7 @@ def dry_run_report(recipe: QLoRARecipe, cfg: DictConfig) -> str:
     settings = recipe.settings
     if settings.max_seq_len is None:
         raise ValueError("dry_run=True estimates batches padded to tokenizer.max_seq_len: set it.")
-    target = dry_run_target(cfg, settings.device, settings.dtype)  # [issue 19] device profile, host, headroom
+    target = dry_run_target(cfg, settings.device, settings.dtype)  # device profile, host, headroom
     estimator = recipe.memory_estimator(cfg)
     estimator.attention_backend = target.profile.sdpa_backend(settings.dtype) if target.profile else None
     estimate = estimator.estimate(settings.batch_size, settings.max_seq_len)
@@ -138,15 +138,15 @@ def dry_run_report(recipe: QLoRARecipe, cfg: DictConfig) -> str:
             f"  compile=True: the decoder layers{loss} estimated as torch.compile runs them (AOTAutograd's partition, "
             "inductor's buffers; an upper bound: its later fusions not modelled)"
         )
-    lines += _costs(recipe, cfg)  # [issue 25]
-    lines += _fits(recipe, cfg, estimator, estimate, target)  # [issue 19]
+    lines += _costs(recipe, cfg)
+    lines += _fits(recipe, cfg, estimator, estimate, target)
     return "\n".join(lines)
 
 
 def _fits(
     recipe: QLoRARecipe, cfg: DictConfig, estimator: MemoryEstimator, estimate: MemoryEstimate, target: DryRunTarget
 ) -> List[str]:
-    """[issue 19] Whether the step fits the card and the host (with the headroom), and the longest that does."""
+    """Whether the step fits the card and the host (with the headroom), and the longest that does."""
     checkpoint_dtype = dtype_or_checkpoints(None, checkpoint_config(cfg))
     loading = loading_bytes(estimator.model, checkpoint_dtype, recipe.settings.dtype)
     host = HostMemory(process_bytes(), loading, estimate.pinned_host_bytes)
@@ -154,7 +154,7 @@ def _fits(
 
 
 def _costs(recipe: QLoRARecipe, cfg: DictConfig) -> List[str]:
-    """[issue 25] The disk the run will use and, when vocab pruning scans the data, the pass's time (from a
+    """The disk the run will use and, when vocab pruning scans the data, the pass's time (from a
     measured sample of rows); the data set's size when the tokenizer and data can be read already."""
     settings = recipe.settings
     hf_config = checkpoint_config(cfg)

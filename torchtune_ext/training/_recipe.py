@@ -200,7 +200,7 @@ class QLoRARecipe(RecipeSetup):
         checkpoint and exit code 128 + signal (:meth:`_stop_interrupted`). A finished run trains no further."""
         if self.finished:
             return
-        with InterruptGuard() as self._interrupt:  # [issue 17]
+        with InterruptGuard() as self._interrupt:
             self._train_epochs()
 
     def _train_epochs(self) -> None:
@@ -223,7 +223,7 @@ class QLoRARecipe(RecipeSetup):
             ) as pbar:
                 micro_batches = 0
                 if self._rng_to_restore is not None and self._steps_in_epoch_done == 0:
-                    # [issue 17] resumed at an epoch's start: the uninterrupted run's iterator drew from this state
+                    # resumed at an epoch's start: the uninterrupted run's iterator drew from this state
                     set_rng_state(self._rng_to_restore, self.settings.device)
                     self._rng_to_restore = None
                 batches = iter(self._dataloader)  # draws a seed from the global RNG, as at the start of the run
@@ -257,21 +257,19 @@ class QLoRARecipe(RecipeSetup):
                     pbar.update(1)
                     pbar.set_description(
                         f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_value:.4f}"
-                        + self._guard.progress()  # [issue 24]
+                        + self._guard.progress()
                         + speed_and_memory
                     )
-                    self._guard.check_step(
-                        self.global_step, loss_value, step_metrics, self._lr(), self._last_saved()
-                    )  # [issue 24]
+                    self._guard.check_step(self.global_step, loss_value, step_metrics, self._lr(), self._last_saved())
                     running_loss, num_tokens = 0.0, 0
                     if self._should_validate():
                         val_loss = self._validate()
                         if self._is_rank_zero:
                             self._metric_logger.log_dict({"val_loss": val_loss}, step=self.global_step)
-                            self._val_history.add(self.global_step, val_loss)  # [issue 18]
+                            self._val_history.add(self.global_step, val_loss)
 
                     mid_epoch = self._steps_in_epoch_done < self._steps_per_epoch
-                    if mid_epoch and self._interrupt.requested():  # [issue 17] a signal: save this step and exit
+                    if mid_epoch and self._interrupt.requested():  # a signal: save this step and exit
                         pbar.close()
                         self._stop_interrupted(end_of_epoch=False)
                     if self._stop_step_reached():
@@ -289,7 +287,7 @@ class QLoRARecipe(RecipeSetup):
                     step_start = time.perf_counter()
             self.epochs_run += 1
             self._steps_in_epoch_done = 0
-            # [issue 25] the merged model once, at the end (or every epoch with merge_every_epoch)
+            # the merged model once, at the end (or every epoch with merge_every_epoch)
             self.save_checkpoint(
                 end_of_epoch=True,
                 full=merge_at_epoch_end(self.epochs_run, self.settings.epochs, self.settings.merge_every_epoch),
@@ -298,7 +296,7 @@ class QLoRARecipe(RecipeSetup):
                 if self.epochs_run < self.settings.epochs:
                     self._stop_early()
                 return
-            if curr_epoch + 1 < self.settings.epochs and self._interrupt.requested():  # [issue 17]
+            if curr_epoch + 1 < self.settings.epochs and self._interrupt.requested():
                 self._stop_interrupted(end_of_epoch=True)
 
     def _stop_step_reached(self) -> bool:
@@ -315,7 +313,7 @@ class QLoRARecipe(RecipeSetup):
         )
 
     def _stop_interrupted(self, end_of_epoch: bool) -> None:
-        """[issue 17] Saves this step as a resumable checkpoint (adapter + recipe state, no merged model; at the end
+        """Saves this step as a resumable checkpoint (adapter + recipe state, no merged model; at the end
         of an epoch it is saved already) and exits with 128 + the signal, printing the step and the resume command.
 
         Raises:
@@ -371,7 +369,7 @@ class QLoRARecipe(RecipeSetup):
             rng_per_rank=[plain_rng_state(r) for r in rng],
             kept_ids=self._kept_ids,
             checkpoint=self._last_checkpoint.name,
-            metric_log_dir=log_dir_name(self._metric_logger),  # [issue 17] continued on resume
+            metric_log_dir=log_dir_name(self._metric_logger),  # continued on resume
         )
 
     def save_checkpoint(self, end_of_epoch: bool = True, full: bool = True) -> None:
@@ -385,7 +383,7 @@ class QLoRARecipe(RecipeSetup):
             full (bool): also write the merged model (unless ``save_adapter_weights_only``).
         """
         start = time.perf_counter()
-        # [issue 24] nothing non-finite is written: a run of skipped fp16 steps or a non-finite adapter stops here
+        # nothing non-finite is written: a run of skipped fp16 steps or a non-finite adapter stops here
         last, adapters = self._last_saved(), self._named_adapters()
         self._guard.check_before_save(self.global_step, self._lr(), last, adapters, self.settings.dtype)
         save_merged = full and not self.settings.save_adapter_weights_only
@@ -402,28 +400,28 @@ class QLoRARecipe(RecipeSetup):
                 exportable(state, self._checkpointer, self._pruning, self._kept_ids),
                 step=self.global_step,
                 adapter_config=self._lora.adapter_config(self._pruning),
-                save_merged=False,  # [issue 24] the merged model comes last, after the recipe state (export_merged)
+                save_merged=False,  # the merged model comes last, after the recipe state (export_merged)
                 dtype=self.settings.dtype,
                 merge_base=self.settings.merge_base,
             )
-            # [issue 24] one typed recipe state
+            # one typed recipe state
             self._checkpointer.save_recipe_state(self._recipe_state(end_of_epoch, adapters, optimizer, rng))
-            # [issue 25] bounded disk: older step folders go once this one is complete
+            # bounded disk: older step folders go once this one is complete
             remove_old_checkpoints(self._checkpointer.output_dir, self.settings.keep_last_n, self._last_checkpoint)
-            if save_merged:  # [issue 24] skipped if the disk has no room for it; a failed write keeps the above
+            if save_merged:  # skipped if the disk has no room for it; a failed write keeps the above
                 self._merged_note = export_merged(
                     self._checkpointer,
                     exportable(state, self._checkpointer, self._pruning, self._kept_ids),
                     self.global_step,
                     self._lora.adapter_config(self._pruning),
-                    self._merged_dtype,  # [issue 18] merged_dtype
+                    self._merged_dtype,  # merged_dtype
                     self.settings.merge_base,
                 )
             log.info(f"Checkpoint saved to {self._last_checkpoint} in {time.perf_counter() - start:.1f} s.")
         del state
         if dist.is_initialized():
             dist.barrier()
-        self._last_checkpoint = self._checkpointer.output_dir / f"step_{self.global_step}"  # [issue 24] every rank
+        self._last_checkpoint = self._checkpointer.output_dir / f"step_{self.global_step}"  # every rank
 
     def _lr(self) -> float:
         return self._optimizer.param_groups[0]["lr"]
@@ -483,7 +481,7 @@ class QLoRARecipe(RecipeSetup):
         if not self._is_rank_zero:
             return
         self._metric_logger.close()
-        self._output_lock.release()  # [issue 17]
+        self._output_lock.release()
         summary = run_summary(
             world_size=self.world_size,
             losses=self.loss_history,

@@ -144,10 +144,10 @@ class RecipeSettings:
                 ("max_validation_steps", None),
             )
         }
-        keep_last_n = parse_keep_last_n(cfg.get("keep_last_n_checkpoints", DEFAULT_KEEP_LAST_N))  # [issue 25]
+        keep_last_n = parse_keep_last_n(cfg.get("keep_last_n_checkpoints", DEFAULT_KEEP_LAST_N))
         merge_base = cfg.get("merge_base", "nf4")
         if merge_base not in MERGE_BASES:
-            raise ConfigError(  # [issue 17] a config error: one line, exit code 2
+            raise ConfigError(  # a config error: one line, exit code 2
                 f"merge_base={merge_base!r} is not supported; use merge_base=nf4 (merge onto the NF4 base the "
                 "adapter was trained on: exactly the trained model) or merge_base=original (onto the checkpoint's "
                 "own weights).",
@@ -165,17 +165,17 @@ class RecipeSettings:
             batch_size=batch_size,
             clip_grad_norm=cfg.get("clip_grad_norm", None),
             resume_from_checkpoint=cfg.get("resume_from_checkpoint", False),
-            overwrite_output_dir=bool(cfg.get("overwrite_output_dir", False)),  # [issue 17]
+            overwrite_output_dir=bool(cfg.get("overwrite_output_dir", False)),
             save_adapter_weights_only=cfg.get("save_adapter_weights_only", False),
             keep_last_n=keep_last_n,
-            merge_every_epoch=bool(cfg.get("merge_every_epoch", False)),  # [issue 25]
+            merge_every_epoch=bool(cfg.get("merge_every_epoch", False)),
             merge_base=merge_base,
             enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
             enable_activation_offloading=offloading,
             tiled_mlp_tokens=tiled_mlp_tokens,
             max_seq_len=cfg.get("tokenizer", {}).get("max_seq_len", None),
             frozen_dtype=cfg.get("frozen_dtype", None),
-            merged_dtype=cfg.get("merged_dtype", None),  # [issue 18]
+            merged_dtype=cfg.get("merged_dtype", None),
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
             compile=cfg.get("compile", False),
             vocab_pruning=parse_vocab_pruning(cfg.get("vocab_pruning", None)),
@@ -272,7 +272,7 @@ def frozen_weights_dtype(
 
 
 def dtype_or_checkpoints(name: Optional[str], hf_config: Dict[str, Any], what: str = "merged_dtype") -> torch.dtype:
-    """``merged_dtype`` (the merged export's dtype; [issue 18]): the named dtype, or by default the base
+    """``merged_dtype`` (the merged export's dtype): the named dtype, or by default the base
     checkpoint's own, so that an fp32 run on a 16-bit checkpoint exports a 16-bit model.
 
     Args:

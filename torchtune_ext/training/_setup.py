@@ -34,7 +34,7 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 
-from torchtune_ext.checkpoint import (  # [issue 17] output-dir checks; [issue 25] bounded disk
+from torchtune_ext.checkpoint import (  # output-dir checks; bounded disk
     RECIPE_STATE_DIRNAME,
     QLoRAHFCheckpointer,
     RecipeState,
@@ -44,9 +44,9 @@ from torchtune_ext.checkpoint import (  # [issue 17] output-dir checks; [issue 2
     load_base_,
     on_rank_zero,
 )
-from torchtune_ext.config import check_config, instantiate_component  # [issue 17]
+from torchtune_ext.config import check_config, instantiate_component
 from torchtune_ext.distributed import (
-    check_nf4_sharding,  # [issue 23]
+    check_nf4_sharding,
     load_full_optimizer_state,
     optimizer_param_groups,
     replicated_params,
@@ -128,7 +128,7 @@ class RecipeSetup(FTRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         dry_run = bool(cfg.get("dry_run", False))  # estimates for the configured device, which need not be here
-        check_config(cfg, dry_run=dry_run)  # [issue 17] keys, ranges, device, files: before anything is done
+        check_config(cfg, dry_run=dry_run)  # keys, ranges, device, files: before anything is done
         if not dry_run:  # before anything is allocated on the device; the user's own allocator settings are kept
             use_expandable_segments(torch.device(str(cfg.device)))
         self.settings = RecipeSettings.from_config(cfg)
@@ -143,7 +143,7 @@ class RecipeSetup(FTRecipeInterface):
         self.global_step = 0
         self._steps_in_epoch_done = 0
         self.loss_history = []
-        self._val_history = ValidationHistory()  # [issue 18] validation loss on the console and in the summary
+        self._val_history = ValidationHistory()  # validation loss on the console and in the summary
         self._train_tokens = 0.0
         self._train_seconds = 0.0
 
@@ -161,7 +161,7 @@ class RecipeSetup(FTRecipeInterface):
         the config, the data and the resumed state have been checked. A resumed run that had finished stops after
         saying so (:attr:`finished`), before the base weights load. SIGINT/SIGTERM stop it at once (exit 128 +
         signal, nothing trained or saved). Collective on several ranks."""
-        with InterruptGuard(save=False):  # [issue 17] a signal while setting up stops the run at once
+        with InterruptGuard(save=False):  # a signal while setting up stops the run at once
             dataset, val_dataset, state = self.check_start(cfg)
             if self.finished:
                 return
@@ -170,11 +170,11 @@ class RecipeSetup(FTRecipeInterface):
             self._loss_scaler = loss_scaler(
                 enabled=self.settings.dtype == torch.float16, device=self.settings.device, **cfg.get("loss_scaler", {})
             )
-            self._guard = NonFiniteGuard(self._loss_scaler, self.settings.clip_grad_norm)  # [issue 24]
+            self._guard = NonFiniteGuard(self._loss_scaler, self.settings.clip_grad_norm)
 
             # From here on, outputs are written.
             self._start_writing(cfg)
-            self._save_scanned_kept_ids(dataset, val_dataset)  # [issue 25] a resume reuses the kept-id pass
+            self._save_scanned_kept_ids(dataset, val_dataset)  # a resume reuses the kept-id pass
             disk = disk_plan(
                 self.settings,
                 self.world_size,
@@ -184,7 +184,7 @@ class RecipeSetup(FTRecipeInterface):
                 len(dataset),
                 self._merged_dtype,
             )
-            self._info(disk.format())  # [issue 25]
+            self._info(disk.format())
 
             self._load_model(state)
             # One param group per kind of param (sharded or not, device, dtype): fused and foreach AdamW need it.
@@ -207,9 +207,9 @@ class RecipeSetup(FTRecipeInterface):
         Raises:
             ConfigError: on the first failing check, naming the key and the fix.
         """
-        check_run_folders(cfg)  # [issue 24] every folder the run writes is writable, before anything is written
+        check_run_folders(cfg)  # every folder the run writes is writable, before anything is written
         self._set_seed(cfg)
-        # [issue 17] a busy output_dir, or one holding another run's checkpoints, is refused before any write
+        # a busy output_dir, or one holding another run's checkpoints, is refused before any write
         check_output_dir(
             cfg.checkpointer.output_dir, self.settings.resume_from_checkpoint, self.settings.overwrite_output_dir
         )
@@ -227,12 +227,12 @@ class RecipeSetup(FTRecipeInterface):
         )
         if self.settings.vocab_pruning is not None:
             self._resolve_kept_ids(dataset, val_dataset)
-        self._run = self._run_identity(cfg, dataset)  # [issue 24] what a resume must match
+        self._run = self._run_identity(cfg, dataset)  # what a resume must match
         state = self._checkpointer.load_recipe_state() if self.settings.resume_from_checkpoint else None
         if state is not None:
             self._check_recipe_state(state)
-            self.finished = self.epochs_run >= self.settings.epochs  # [issue 24] said so (step, outputs)
-        self._saved_log_dir = state.metric_log_dir if state is not None else None  # [issue 17]
+            self.finished = self.epochs_run >= self.settings.epochs  # said so (step, outputs)
+        self._saved_log_dir = state.metric_log_dir if state is not None else None
         return dataset, val_dataset, state
 
     def _set_seed(self, cfg: DictConfig) -> None:
@@ -258,11 +258,11 @@ class RecipeSetup(FTRecipeInterface):
         self._frozen_dtype = frozen_weights_dtype(
             self.settings.frozen_dtype, self.settings.dtype, self._checkpointer.hf_config
         )
-        # [issue 18] merged_dtype: the merged export's dtype (default: the base checkpoint's)
+        # merged_dtype: the merged export's dtype (default: the base checkpoint's)
         self._merged_dtype = dtype_or_checkpoints(self.settings.merged_dtype, self._checkpointer.hf_config)
         self._model = build_qlora_model(cfg.model, self.settings.dtype, self.settings.adapter_dtype, self._frozen_dtype)
-        check_nf4_sharding(self._model, self.world_size)  # [issue 23] refuse/report NF4 layouts before any load
-        self._checkpointer.validate(self._model, builder=cfg.model.get("_component_"))  # [issue 24] names the builder
+        check_nf4_sharding(self._model, self.world_size)  # refuse/report NF4 layouts before any load
+        self._checkpointer.validate(self._model, builder=cfg.model.get("_component_"))  # names the builder
         self._tokenizer = build_tokenizer(cfg.tokenizer)
         self._loss_fn = instantiate_component(cfg.loss, "loss")
         if not self.settings.dry_run:  # over one parameter, so a refused value fails now; a dry run builds its own
@@ -282,7 +282,7 @@ class RecipeSetup(FTRecipeInterface):
             vocab_size,
             self._tokenizer,
             [dataset, val_dataset],
-            scanned=scanned if self.settings.resume_from_checkpoint else None,  # [issue 25]
+            scanned=scanned if self.settings.resume_from_checkpoint else None,
         )
         self._info(f"Vocab pruning: keeping {len(self._kept_ids)} of {vocab_size} token ids.")
 
@@ -315,7 +315,7 @@ class RecipeSetup(FTRecipeInterface):
         Raises:
             ValueError: listing what differs in what defines the run, or if the adapters differ.
         """
-        for line in state.check_resume(self._run, self._kept_ids, self.settings.epochs):  # [issue 24]
+        for line in state.check_resume(self._run, self._kept_ids, self.settings.epochs):
             self._info(line)
         check_adapter_state(self._model, state.adapter)
         if state.max_steps_per_epoch != self.max_steps_per_epoch:
@@ -327,7 +327,7 @@ class RecipeSetup(FTRecipeInterface):
         self.epochs_run = state.epochs_run
         self.global_step = state.global_step
         self._steps_in_epoch_done = state.steps_in_epoch_done
-        if state.checkpoint_path is not None:  # [issue 24] the summary names it (a finished run trains no further)
+        if state.checkpoint_path is not None:  # the summary names it (a finished run trains no further)
             self._last_checkpoint = state.checkpoint_path
 
     def _epoch_and_batch(self) -> Tuple[int, int]:
@@ -341,7 +341,7 @@ class RecipeSetup(FTRecipeInterface):
     def _start_writing(self, cfg: DictConfig) -> None:
         """Rank 0, once everything has been checked: locks the output folder (collective), clears what killed writes
         of an earlier run left in it and opens the metric logger."""
-        # [issue 17] one run per output_dir: rank 0 holds its lock until the process ends
+        # one run per output_dir: rank 0 holds its lock until the process ends
         self._output_lock = claim_output_dir(
             self._checkpointer.output_dir, self.settings.resume_from_checkpoint, self.settings.overwrite_output_dir
         )
@@ -352,7 +352,7 @@ class RecipeSetup(FTRecipeInterface):
             log.info(
                 f"Deleted {len(stale)} temporary file(s)/folder(s) of interrupted writes: {[p.name for p in stale]}"
             )
-        # [issue 17] a resume continues the interrupted run's TensorBoard folder
+        # a resume continues the interrupted run's TensorBoard folder
         metric_logger = continued_metric_logger(cfg.metric_logger, self._saved_log_dir)
         self._metric_logger = instantiate_component(metric_logger, "metric_logger")
         self._metric_logger.log_config(cfg)
@@ -368,7 +368,7 @@ class RecipeSetup(FTRecipeInterface):
         load_base_(
             model, self._checkpointer, self.settings.device, pruning=self._pruning, sharded_device=self._sharded_device
         )
-        check_base_finite(model, self._checkpointer.checkpoint_dir, self._checkpointer.converter.to_hf)  # [issue 24]
+        check_base_finite(model, self._checkpointer.checkpoint_dir, self._checkpointer.converter.to_hf)
         if self.settings.compile:
             cache_nf4_decoding_tables(model, self.settings.device)
         init_adapters_(model, self.settings.device, state.adapter if state is not None else None)
@@ -411,7 +411,7 @@ class RecipeSetup(FTRecipeInterface):
                 trainable=pruning_cfg["trainable"],
             )
         set_trainable_params(model, get_adapter_params(model))
-        share_rope_(model, self.settings.max_seq_len)  # [issue 25] one RoPE cache, sized for the run, grown on demand
+        share_rope_(model, self.settings.max_seq_len)  # one RoPE cache, sized for the run, grown on demand
         if self.settings.tiled_mlp_tokens is not None:
             tile_mlp_(model, self.settings.tiled_mlp_tokens)
         if self.settings.enable_activation_checkpointing:
@@ -469,7 +469,7 @@ class RecipeSetup(FTRecipeInterface):
         self._steps_per_epoch = len(self._dataloader) // self.settings.gradient_accumulation_steps
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        if state is not None:  # [issue 24] this run's optimizer hyperparameters; the global data position
+        if state is not None:  # this run's optimizer hyperparameters; the global data position
             load = partial(load_full_optimizer_state, params=self._trainable_params)  # numbered in this order
             hyperparameters = state.restore_optimizer_(self._optimizer, load)
             self._loss_scaler.load_state_dict(state.loss_scaler)
@@ -484,10 +484,10 @@ class RecipeSetup(FTRecipeInterface):
         # Restored when training starts, after the data loader iterator has drawn its seed.
         self._rng_to_restore = None
         if state is not None:
-            state.restore_lr_scheduler_(self._lr_scheduler, hyperparameters)  # [issue 24]
-            self._rng_to_restore = state.rng_for(self.rank, self.world_size)  # [issue 24]
-            if self.epochs_run < self.settings.epochs:  # [issue 17] the step the interrupt message named
-                self._info(state.describe_position(self.world_size, *self._epoch_and_batch()))  # [issue 24] the data
+            state.restore_lr_scheduler_(self._lr_scheduler, hyperparameters)
+            self._rng_to_restore = state.rng_for(self.rank, self.world_size)
+            if self.epochs_run < self.settings.epochs:  # the step the interrupt message named
+                self._info(state.describe_position(self.world_size, *self._epoch_and_batch()))  # the data
         self._info(f"Memory after setup: {format_memory_stats(self._memory_metrics(window=True))}")
 
     # ---------------------------------------------------------------------------------------------- cross-rank

@@ -55,9 +55,9 @@ def run_summary(
     lines = ["", "Done." if world_size == 1 else f"Done ({world_size} ranks)."]
     if losses:
         lines.append(f"  loss: {losses[0]:.4f} (step {first_step}) -> {losses[-1]:.4f} (step {last_step})")
-    lines += validation.summary_lines()  # [issue 18]
+    lines += validation.summary_lines()
     lines.append(f"  peak memory:         {peak_memory_line(memory)}")
-    lines += guard.summary()  # [issue 24] fp16: skipped steps
+    lines += guard.summary()  # fp16: skipped steps
     if train_seconds > 0:
         lines.append(
             f"  tokens/s (mean):     {train_tokens / train_seconds:,.0f} label tokens/s over "
@@ -67,7 +67,7 @@ def run_summary(
         lines.append(f"  adapter (PEFT):      {checkpoint / 'adapter'}")
         if (checkpoint / "merged").is_dir():
             lines.append(f"  merged model (HF):   {checkpoint / 'merged'}")
-        elif merged_note:  # [issue 24]
+        elif merged_note:
             lines.append(f"  merged model:        skipped: {merged_note}")
     if (output_dir / "recipe_state").is_dir():
         lines.append(f"  resumable state:     {output_dir / 'recipe_state'}")

@@ -1,4 +1,4 @@
-"""The validation losses of a run, for the console (as they come) and the end-of-run summary [issue 18]."""
+"""The validation losses of a run, for the console (as they come) and the end-of-run summary."""
 
 from __future__ import annotations
 

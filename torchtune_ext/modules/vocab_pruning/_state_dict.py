@@ -85,7 +85,7 @@ def _full_rows(
     if base is None:
         full = pruned.new_zeros((vocab_size, *pruned.shape[1:]))
     else:
-        full = dense_copy(base, torch.promote_types(base.dtype, pruned.dtype)).clone()  # [issue 23] trained precision
+        full = dense_copy(base, torch.promote_types(base.dtype, pruned.dtype)).clone()  # trained precision
         if tuple(full.shape[1:]) != tuple(pruned.shape[1:]) or full.shape[0] != vocab_size:
             raise ValueError(
                 f"base tensor for {key!r} has shape {tuple(full.shape)}, incompatible with the pruned "
