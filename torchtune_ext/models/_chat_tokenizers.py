@@ -13,8 +13,11 @@ Why these subclasses of torchtune 0.6.1's tokenizers (the config's ``tokenizer._
   and the whole starts with ``<s>``, which Phi-3's template does not write; generation does not stop at ``<|end|>``.
 - ``GemmaTokenizer``: no chat format (Gemma 2's ``<start_of_turn>``/``<end_of_turn>`` turns) and ``__call__``
   ignores ``inference`` (a prompt ends with ``<eos>``); generation does not stop at ``<end_of_turn>``.
-- ``MistralTokenizer``: ``__call__`` ignores ``inference`` (a prompt ends ``[/INST]</s>``); ``Llama2Tokenizer``
-  at inference leaves out the ``</s>`` that closes each earlier answer (the templates write it).
+- ``Llama2Tokenizer`` / ``MistralTokenizer`` with their ``[INST]`` templates: the pieces of a turn are encoded apart
+  (``" [/INST]"`` gets a second "▁"), the spaces Llama-2-chat's template writes around an answer are dropped,
+  Mistral's gets ``<s>`` before every turn where its template writes one at the start, ``MistralTokenizer`` ignores
+  ``inference`` (a prompt ends ``[/INST]</s>``), ``Llama2Tokenizer`` at inference leaves out the ``</s>`` closing
+  each earlier answer, and with ``max_seq_len`` set both put ``</s>`` over the last token of every sample.
 - ``Llama3Tokenizer``: Llama 3.1 / 3.2 / 3.3-Instruct's templates open every conversation with a system turn that
   holds ``Cutting Knowledge Date: December 2023`` and ``Today Date: {date_string}`` before the system message (none
   given: an empty one); torchtune writes none, and ends a sample with ``<|end_of_text|>``, which the templates do not.
@@ -184,8 +187,46 @@ class Qwen2_5ChatTokenizer(_ChatMLMixin, Qwen2_5Tokenizer):  # noqa: N801
 
 
 class Qwen3ChatTokenizer(_ChatMLMixin, Qwen2_5Tokenizer):
-    """torchtune's ``Qwen2_5Tokenizer`` with Qwen3's chat template: no default system message; the generation
-    prompt is the template's default (thinking on), ``<|im_start|>assistant\n``."""
+    """torchtune's ``Qwen2_5Tokenizer`` with Qwen3's chat template: no default system message; an answer after the
+    last user message is written ``<think>\n{reasoning}\n</think>\n\n{answer}`` (the last answer always, with an
+    empty block when it has no reasoning), an earlier answer without its reasoning; the generation prompt is the
+    template's default (thinking on), ``<|im_start|>assistant\n``."""
+
+    def tokenize_messages(self, messages: List[Message], *, add_eos: bool = True) -> Tuple[List[int], List[bool]]:
+        """
+        Args:
+            messages (List[Message]): the conversation (an answer's reasoning, if any, in ``<think>...</think>``
+                before it).
+            add_eos (bool): False (inference): a last assistant message stays open (no ``<|im_end|>``, no
+                ``<think>`` block).
+
+        Returns:
+            Tuple[List[int], List[bool]]: tokens and masks (True: not trained on), cut at ``max_seq_len``.
+        """
+        return super().tokenize_messages(_qwen3_answers(messages, _open_end(messages, add_eos)), add_eos=add_eos)
+
+
+def _qwen3_answers(messages: Sequence[Message], open_end: bool) -> List[Message]:
+    """The assistant contents Qwen3's template writes (its ``reasoning_content`` taken from ``<think>...</think>``
+    in the content, as the template does)."""
+    users = [index for index, message in enumerate(messages) if message.role == "user"]
+    last_query = users[-1] if users else len(messages) - 1
+    written = []
+    for index, message in enumerate(messages):
+        last = index == len(messages) - 1
+        if message.role != "assistant" or (open_end and last):
+            written.append(message)
+            continue
+        content, reasoning = _text(message), ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+        if index > last_query and (last or reasoning):
+            content = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+        written.append(
+            Message(role="assistant", content=content, masked=message.masked, ipython=message.ipython, eot=message.eot)
+        )
+    return written
 
 
 def _chatml_tokenizer(
@@ -449,45 +490,125 @@ def gemma_tokenizer(
 
 
 class _InstMixin:
-    """Llama 2's / Mistral's ``[INST]`` turns at inference: every earlier answer keeps its ``</s>``, the open last
-    assistant message gets none."""
+    """``[INST]`` turns as Llama-2-chat's and Mistral-Instruct's chat templates write them, each run of text between
+    special tokens encoded as their ``tokenizer.json`` encodes it: a "▁" before a run that follows ``<s>`` or
+    ``</s>``, none before an answer, which goes on from ``[/INST]`` in the same run."""
 
-    _end_kwarg = "add_eos"
+    #: the family's own chat format among torchtune's templates (the tokenizer writes it itself).
+    chat_format: str = ""
+
+    def _user_text(self, content: str, system: Optional[str], first: bool) -> str:
+        raise NotImplementedError
+
+    def _answer_text(self, content: str, open_end: bool) -> str:
+        raise NotImplementedError
+
+    def _turn_bos(self, index: int) -> List[int]:
+        """``<s>`` before the user turn at ``index``."""
+        raise NotImplementedError
+
+    def tokenize_messages(self, messages: List[Message], *, add_eos: bool = True) -> Tuple[List[int], List[bool]]:
+        """
+        Args:
+            messages (List[Message]): the conversation (a system message first, where the family has one).
+            add_eos (bool): False (inference): a last assistant message stays open (no ``</s>``).
+
+        Returns:
+            Tuple[List[int], List[bool]]: tokens and masks (True: not trained on), cut at ``max_seq_len``.
+
+        Raises:
+            ValueError: for a role other than system, user and assistant.
+        """
+        turns = list(self.prompt_template(messages) if self.prompt_template is not None else messages)
+        system = _text(turns.pop(0)) if turns and turns[0].role == "system" else None
+        open_end = _open_end(turns, add_eos)
+        tokens: List[int] = []
+        mask: List[bool] = []
+        for index, message in enumerate(turns):
+            if message.role == "user":
+                text = self._user_text(_text(message), system, first=index == 0)
+                ids = [*self._turn_bos(index), *self.encode(text, add_bos=False, add_eos=False)]
+            elif message.role == "assistant":
+                last = open_end and index == len(turns) - 1
+                text = self._answer_text(_text(message), open_end=last)
+                ids = self.encode(text, add_bos=False, add_eos=False, trim_leading_whitespace=True) if text else []
+                ids += [] if last else [self.eos_id]
+            else:
+                raise ValueError(f"The [INST] chat format has no {message.role!r} role: use system, user, assistant.")
+            tokens, mask = tokens + ids, mask + [message.masked] * len(ids)
+        return _cut(tokens, mask, self.max_seq_len)
 
     def __call__(self, sample: Mapping[str, Any], inference: bool = False) -> Mapping[str, Any]:
-        """Replaces ``sample["messages"]`` with their ``tokens`` and ``mask`` (``inference``: no ``</s>`` after
-        the last assistant message)."""
+        """Replaces ``sample["messages"]`` with their ``tokens`` and ``mask`` (``inference``: the last assistant
+        message stays open)."""
         messages = sample.pop("messages")
-        tokens, mask = self.tokenize_messages(messages, **{self._end_kwarg: True})
-        if _open_end(messages, not inference) and tokens and tokens[-1] == self.eos_id:
-            tokens, mask = tokens[:-1], mask[:-1]
-        sample["tokens"], sample["mask"] = tokens, mask
+        sample["tokens"], sample["mask"] = self.tokenize_messages(messages, add_eos=not inference)
         return sample
 
 
 class Llama2ChatTokenizer(_InstMixin, Llama2Tokenizer):
-    """torchtune's ``Llama2Tokenizer`` whose inference prompt keeps the ``</s>`` of earlier answers."""
+    """torchtune's ``Llama2Tokenizer`` writing Llama-2-chat's chat template (its ``tokenizer_config.json``, the same
+    as Meta's reference ``chat_completion``): ``<s>[INST] {user, stripped} [/INST]`` per user turn, the system
+    message as ``<<SYS>>\n{system}\n<</SYS>>\n\n`` at the start of the first, `` {answer, stripped} </s>`` per
+    answer; a generation prompt ends ``[/INST]``."""
 
-    _end_kwarg = "add_end_tokens"
+    chat_format = "torchtune.models.llama2.Llama2ChatTemplate"
+
+    def _user_text(self, content: str, system: Optional[str], first: bool) -> str:
+        if first and system is not None:
+            content = f"<<SYS>>\n{system}\n<</SYS>>\n\n{content}"
+        return f"[INST] {content.strip()} [/INST]"
+
+    def _answer_text(self, content: str, open_end: bool) -> str:
+        if open_end:
+            return f" {content.strip()}" if content.strip() else ""
+        return f" {content.strip()} "
+
+    def _turn_bos(self, index: int) -> List[int]:
+        return [self.bos_id]
 
 
 class MistralChatTokenizer(_InstMixin, MistralTokenizer):
-    """torchtune's ``MistralTokenizer`` whose inference prompt ends ``[/INST]`` (no ``</s>``) and keeps the ``</s>``
-    of earlier answers."""
+    """torchtune's ``MistralTokenizer`` writing Mistral-7B-Instruct-v0.2's chat template (Mixtral-8x7B-Instruct-v0.1's
+    is the same): ``<s>`` once, ``[INST] {user} [/INST]`` per user turn, ``{answer}</s>`` per answer; a generation
+    prompt ends ``[/INST]``. The template has no system role (it refuses one)."""
+
+    chat_format = "torchtune.models.mistral.MistralChatTemplate"
+
+    def _user_text(self, content: str, system: Optional[str], first: bool) -> str:
+        if system is not None:
+            raise ValueError(
+                "Mistral-Instruct's chat template has no system role: put the instructions at the start of the "
+                "first user message."
+            )
+        return f"[INST] {content} [/INST]"
+
+    def _answer_text(self, content: str, open_end: bool) -> str:
+        return content
+
+    def _turn_bos(self, index: int) -> List[int]:
+        return [self.bos_id] if index == 0 else []
+
+
+def _inst_template(prompt_template: Optional[_TemplateType], family: str, own: str) -> Any:
+    """A task template for an ``[INST]`` tokenizer: the family's own chat format (the builders' default) is the
+    tokenizer's to write, so it is not applied twice."""
+    return _template(None if prompt_template == own else prompt_template, family)
 
 
 def llama2_tokenizer(
     path: str,
     max_seq_len: Optional[int] = None,
-    prompt_template: Optional[_TemplateType] = "torchtune.models.llama2.Llama2ChatTemplate",
+    prompt_template: Optional[_TemplateType] = Llama2ChatTokenizer.chat_format,
 ) -> Llama2ChatTokenizer:
-    """Llama 2's tokenizer (:class:`Llama2ChatTokenizer`; torchtune's ``llama2_tokenizer`` keys: Llama 2-chat's
-    ``[INST]`` format by default), refusing another family's chat format.
+    """Llama 2's tokenizer (:class:`Llama2ChatTokenizer`; torchtune's ``llama2_tokenizer`` keys), refusing another
+    family's chat format.
 
     Args:
         path (str): ``tokenizer.model``.
         max_seq_len (Optional[int]): samples are cut at this length.
-        prompt_template (Optional[_TemplateType]): the chat format (Llama 2's) or a task template.
+        prompt_template (Optional[_TemplateType]): a task template applied to the messages first; Llama 2's own
+            (the default) or None: none (the tokenizer writes the chat format itself).
 
     Returns:
         Llama2ChatTokenizer: the tokenizer.
@@ -495,13 +616,14 @@ def llama2_tokenizer(
     Raises:
         ConfigError: if ``prompt_template`` is another family's chat format.
     """
-    return Llama2ChatTokenizer(path, max_seq_len, _template(prompt_template, "llama2"))
+    template = _inst_template(prompt_template, "llama2", Llama2ChatTokenizer.chat_format)
+    return Llama2ChatTokenizer(path, max_seq_len, template)
 
 
 def mistral_tokenizer(
     path: str,
     max_seq_len: Optional[int] = None,
-    prompt_template: Optional[_TemplateType] = "torchtune.models.mistral.MistralChatTemplate",
+    prompt_template: Optional[_TemplateType] = MistralChatTokenizer.chat_format,
 ) -> MistralChatTokenizer:
     """Mistral's tokenizer (:class:`MistralChatTokenizer`; torchtune's ``mistral_tokenizer`` keys), refusing another
     family's chat format.
@@ -509,7 +631,8 @@ def mistral_tokenizer(
     Args:
         path (str): ``tokenizer.model``.
         max_seq_len (Optional[int]): samples are cut at this length.
-        prompt_template (Optional[_TemplateType]): the chat format (Mistral's) or a task template.
+        prompt_template (Optional[_TemplateType]): a task template applied to the messages first; Mistral's own
+            (the default) or None: none (the tokenizer writes the chat format itself).
 
     Returns:
         MistralChatTokenizer: the tokenizer.
@@ -517,7 +640,8 @@ def mistral_tokenizer(
     Raises:
         ConfigError: if ``prompt_template`` is another family's chat format.
     """
-    return MistralChatTokenizer(path, max_seq_len, _template(prompt_template, "mistral"))
+    template = _inst_template(prompt_template, "mistral", MistralChatTokenizer.chat_format)
+    return MistralChatTokenizer(path, max_seq_len, template)
 
 
 class Llama3ChatTokenizer(Llama3Tokenizer):

@@ -44,16 +44,97 @@ QWEN2_5_TEMPLATE = (
     "message.content + '<|im_end|>' + '\n' }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
-# Qwen/Qwen3-0.6B's tokenizer_config.json chat_template for conversations that end with a user turn (no tools, no
-# reasoning_content): the generation prompts compared here.
-QWEN3_TEMPLATE = (
-    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
-    "{%- endif %}{%- for message in messages %}{%- if (message.role == 'user') or (message.role == 'system' and not "
-    "loop.first) or message.role == 'assistant' %}{{- '<|im_start|>' + message.role + '\n' + message.content + "
-    "'<|im_end|>\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
-    "{%- endif %}"
-)
+# Qwen/Qwen3-0.6B's tokenizer_config.json chat_template, verbatim (its revision that reads `message.content is string`;
+# Qwen3-8B's and the other Qwen3 models' are the same): an answer after the last user message gets a <think> block.
+QWEN3_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""  # noqa: E501
 # meta-llama/Llama-3.1-8B-Instruct's tokenizer_config.json chat_template, its branch without tools (no custom_tools,
 # builtin_tools or tool messages); Llama 3.3-70B-Instruct's is the same.
 LLAMA3_1_TEMPLATE = (
@@ -83,7 +164,29 @@ PHI3_5_TEMPLATE = (
     "'<|end|>\n'}}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}"
     "{{ eos_token }}{% endif %}"
 )
-CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+# meta-llama/Llama-2-7b-chat-hf's tokenizer_config.json chat_template, verbatim (13b-chat-hf's and 70b-chat-hf's are
+# the same; quoted for Llama-2-13b-chat-hf in EricLBuehler/mistral.rs, mistralrs-core/src/pipeline/chat_template.rs).
+LLAMA2_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = "
+    "messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}{% set content = '<<SYS>>\\n' + system_message + "
+    "'\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+# mistralai/Mistral-7B-Instruct-v0.2's tokenizer_config.json chat_template, verbatim (Mixtral-8x7B-Instruct-v0.1's is
+# the same; quoted in ggml-org/llama.cpp tests/test-chat-template.cpp and huggingface/huggingface.js
+# packages/jinja/test/e2e.test.js). Instruct-v0.1's differs only by a space after each </s>.
+MISTRAL_INSTRUCT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of Quenfeld?"}, {"role": "assistant", "content": "Brooktide."}],
     [
@@ -162,13 +265,42 @@ def test_chatml_generation_prompt_equals_add_generation_prompt(chatml_files, fam
     assert {ours.special_tokens["<|im_end|>"], ours.special_tokens["<|endoftext|>"]} <= generator.stop_ids
 
 
-@pytest.mark.parametrize("family", ["smollm2", "qwen2_5"])
+@pytest.mark.parametrize("family", sorted(CHATML))
 @pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
 def test_chatml_training_sample_equals_the_template(chatml_files, family, index):
-    """A training sample's tokens are the template's rendering of the whole conversation (what TRL trains on)."""
+    """A training sample's tokens are the template's rendering of the whole conversation (what TRL trains on):
+    Qwen3's last answer opens with an empty ``<think>\n\n</think>\n\n`` block, trained with the answer."""
     ours, hf = _chatml(chatml_files, family, max_seq_len=4096), _hf(chatml_files, CHATML[family][1])
-    tokens, _ = ours.tokenize_messages(_messages(CONVERSATIONS[index]))
+    tokens, mask = ours.tokenize_messages(_messages(CONVERSATIONS[index]))
     assert tokens == _ids(hf.apply_chat_template(CONVERSATIONS[index], tokenize=True))
+    if family == "qwen3":
+        answer = "<think>\n\n</think>\n\n" + CONVERSATIONS[index][-1]["content"]
+        answer = ours.encode(answer, add_bos=False, add_eos=False)
+        start = len(tokens) - 2 - len(answer)  # before <|im_end|>\n
+        assert tokens[start : start + len(answer)] == answer and not any(mask[start:])
+
+
+QWEN3_REASONING = [  # reasoning in <think> blocks: kept after the last user message, dropped before it
+    [
+        {"role": "user", "content": "Reverse: abc"},
+        {"role": "assistant", "content": "<think>\nLast letter first.\n</think>\n\ncba"},
+        {"role": "user", "content": "Uppercase: hello world"},
+        {"role": "assistant", "content": "<think>\nEvery letter.\n</think>\n\nHELLO WORLD"},
+    ],
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Reverse: abc"},
+        {"role": "assistant", "content": "<think>Last letter first.</think>cba"},
+        {"role": "assistant", "content": "Done."},
+    ],
+]
+
+
+@pytest.mark.parametrize("index", range(len(QWEN3_REASONING)))
+def test_qwen3_training_sample_with_reasoning_equals_the_template(chatml_files, index):
+    ours, hf = _chatml(chatml_files, "qwen3", max_seq_len=4096), _hf(chatml_files, QWEN3_TEMPLATE)
+    tokens, _ = ours.tokenize_messages(_messages(QWEN3_REASONING[index]))
+    assert tokens == _ids(hf.apply_chat_template(QWEN3_REASONING[index], tokenize=True))
 
 
 @pytest.fixture(scope="module")
@@ -266,21 +398,21 @@ def test_gemma_prompt_and_training_sample_equal_the_template(tmp_path, index):
     assert hf.convert_tokens_to_ids("<end_of_turn>") in generator.stop_ids
 
 
-@pytest.fixture(scope="module")
-def phi3_files(tmp_path_factory):
-    """A SentencePiece BPE model with Llama's layout (``<unk> <s> </s>``, dummy prefix, byte fallback) and
-    transformers' ``tokenizer.json`` of it with Phi-3's special tokens added (legacy, as Phi-3.5-mini-instruct's own
-    ``tokenizer.json``: a "▁" before the text after each special token)."""
+def _llama_layout_model(folder, eos_token="</s>", **options):
+    """A SentencePiece BPE model with Llama's layout (``<unk> <s> </s>`` at 0-2, dummy prefix, byte fallback) and a
+    ``tokenizer_config.json`` beside it for transformers' ``LlamaTokenizer`` (legacy: a "▁" before the text after
+    each special token, as Llama-2's and Mistral's own ``tokenizer.json`` and their reference encoders write it).
+
+    Returns:
+        str: the ``tokenizer.model`` path.
+    """
     import json
 
     import sentencepiece as spm
-    from torchtune.models.phi3._tokenizer import PHI3_SPECIAL_TOKENS
-    from transformers import AutoTokenizer
 
-    folder = tmp_path_factory.mktemp("phi3")
     lines = [f"{s['input']} {s['output']}" for s in tiny_instruct_samples("train", 500)]
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
+        sentence_iterator=iter(lines + ["[INST] <<SYS>> <</SYS>> [/INST]"] * 5),
         model_prefix=str(folder / "tokenizer"),
         model_type="bpe",
         vocab_size=400,
@@ -292,9 +424,23 @@ def phi3_files(tmp_path_factory):
         byte_fallback=True,
         normalization_rule_name="identity",
         minloglevel=2,
+        **options,
     )
-    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "<|endoftext|>", "legacy": True}
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": eos_token, "legacy": True}
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "unk_token": "<unk>", "add_bos_token": False}))
+    return str(folder / "tokenizer.model")
+
+
+@pytest.fixture(scope="module")
+def phi3_files(tmp_path_factory):
+    """A SentencePiece BPE model with Llama's layout (``<unk> <s> </s>``, dummy prefix, byte fallback) and
+    transformers' ``tokenizer.json`` of it with Phi-3's special tokens added (legacy, as Phi-3.5-mini-instruct's own
+    ``tokenizer.json``: a "▁" before the text after each special token)."""
+    from torchtune.models.phi3._tokenizer import PHI3_SPECIAL_TOKENS
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("phi3")
+    _llama_layout_model(folder, eos_token="<|endoftext|>")
     hf = AutoTokenizer.from_pretrained(folder)
     hf.add_special_tokens({"additional_special_tokens": [t for t in PHI3_SPECIAL_TOKENS if t != "<|endoftext|>"]})
     hf.save_pretrained(folder / "hf")  # its tokenizer.json: the special tokens' ids, for ours
@@ -314,6 +460,51 @@ def test_phi3_prompt_and_training_sample_equal_the_template(phi3_files, index):
     assert generator.encode_prompt(conversation[:-1], chat=True) == expected
     assert ours.tokenize_messages(_messages(conversation))[0] == _ids(hf.apply_chat_template(conversation))
     assert hf.convert_tokens_to_ids("<|end|>") in generator.stop_ids
+
+
+INST = {  # family -> (builder, published template, conversations its template takes)
+    "llama2": (
+        chat.llama2_tokenizer,
+        LLAMA2_CHAT_TEMPLATE,
+        [*CONVERSATIONS, CONVERSATIONS[1][:3], CONVERSATIONS[1][1:]],
+    ),
+    "mistral": (chat.mistral_tokenizer, MISTRAL_INSTRUCT_TEMPLATE, [CONVERSATIONS[0], CONVERSATIONS[1][1:]]),
+}
+
+
+@pytest.fixture(scope="module")
+def inst_files(tmp_path_factory):
+    """Llama 2's tokenizer layout (whitespace kept as it is, as Llama 2's and Mistral's ``tokenizer.model`` keep it)
+    and transformers' tokenizer of the same file."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("inst")
+    model = _llama_layout_model(folder, remove_extra_whitespaces=False)
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("family, index", [(f, i) for f in sorted(INST) for i in range(len(INST[f][2]))])
+def test_inst_prompt_and_training_sample_equal_the_template(inst_files, family, index):
+    """Llama-2-chat's and Mistral-Instruct's templates: the prompt ends ``[/INST]``, an answer is Llama 2's
+    `` {answer} </s>`` / Mistral's ``{answer}</s>``; torchtune's ``[INST]`` templates wrote ``▁▁[/INST]``, dropped
+    those spaces, put ``<s>`` before every Mistral turn and, with ``max_seq_len`` set, ``</s>`` over a prompt's
+    last token."""
+    model, hf = inst_files
+    builder, template, conversations = INST[family]
+    hf.chat_template = template
+    ours = builder(model, max_seq_len=4096)
+    conversation, prompt = conversations[index], conversations[index][:-1]
+    expected = _ids(hf.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
+    generator = Generator(_Model(), ours, dtype=torch.float32, device="cpu")
+    assert generator.encode_prompt(prompt, chat=True) == expected
+    assert ours({"messages": _messages(prompt)}, inference=True)["tokens"] == expected
+    assert ours.tokenize_messages(_messages(conversation))[0] == _ids(hf.apply_chat_template(conversation))
+
+
+def test_mistral_refuses_a_system_message(inst_files):
+    """Mistral-Instruct's template refuses a system role; so does the tokenizer, naming the fix."""
+    with pytest.raises(ValueError, match="Mistral-Instruct's chat template has no system role"):
+        chat.mistral_tokenizer(inst_files[0]).tokenize_messages(_messages(CONVERSATIONS[1]))
 
 
 @pytest.fixture(scope="module")
@@ -359,8 +550,8 @@ FAMILIES = ["smollm2", "qwen2_5", "qwen3", "llama2", "mistral", "llama3", "gemma
 def test_last_labels_of_an_untruncated_and_a_truncated_sample(families, family):
     """Untruncated, with ``max_seq_len`` set (the configs' case): the assistant turn's end tokens are trained
     (torchtune's Qwen2 tokenizers masked the final ``<|im_end|>`` out: upstream issue 2792). Truncated: the
-    labels are the untruncated sample's first ``max_seq_len`` (a plain cut, as transformers / TRL truncate), except
-    where torchtune's own Llama 2 / Mistral tokenizers put their end-of-sequence token at the cut."""
+    labels are the untruncated sample's first ``max_seq_len`` (a plain cut, as transformers / TRL truncate; torchtune's
+    own tokenizers put their end-of-sequence token at the cut)."""
     built, end_of_turn = families
     conversation = CONVERSATIONS[1][1:]  # Mistral's and Gemma 2's formats have no system role
     free = built[family](None)
@@ -372,11 +563,8 @@ def test_last_labels_of_an_untruncated_and_a_truncated_sample(families, family):
     cut = len(labels) - 4
     truncated = _labels(built[family](cut), conversation)
     assert len(truncated) == cut
-    if family in ("llama2", "mistral"):
-        assert truncated[:-1] == labels[: cut - 1] and truncated[-1] == free.eos_id
-    else:
-        assert truncated == labels[:cut]
-        assert truncated[-1] == labels[cut - 1] != -100  # inside the last answer: trained as it is
+    assert truncated == labels[:cut]
+    assert truncated[-1] == labels[cut - 1] != -100  # inside the last answer: trained as it is
 
 
 @pytest.mark.parametrize("family", FAMILIES)
