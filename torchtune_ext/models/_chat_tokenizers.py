@@ -542,7 +542,8 @@ class _InstMixin:
         """Replaces ``sample["messages"]`` with their ``tokens`` and ``mask`` (``inference``: the last assistant
         message stays open)."""
         messages = sample.pop("messages")
-        sample["tokens"], sample["mask"] = self.tokenize_messages(messages, add_eos=not inference)
+        # the template's own keywords: Llama2ChatTokenizer keeps torchtune's add_end_tokens for its callers
+        sample["tokens"], sample["mask"] = _InstMixin.tokenize_messages(self, messages, add_eos=not inference)
         return sample
 
 
@@ -553,6 +554,14 @@ class Llama2ChatTokenizer(_InstMixin, Llama2Tokenizer):
     answer; a generation prompt ends ``[/INST]``."""
 
     chat_format = "torchtune.models.llama2.Llama2ChatTemplate"
+
+    def tokenize_messages(  # torchtune's Llama2Tokenizer keywords
+        self, messages: List[Message], *, add_start_tokens: bool = True, add_end_tokens: bool = True
+    ) -> Tuple[List[int], List[bool]]:
+        """The chat template's tokens and mask (see :meth:`_InstMixin.tokenize_messages`); ``add_end_tokens=False``
+        (inference) leaves a last assistant message open. ``add_start_tokens=False`` drops the leading ``<s>``."""
+        tokens, mask = super().tokenize_messages(messages, add_eos=add_end_tokens)
+        return (tokens, mask) if add_start_tokens or tokens[:1] != [self.bos_id] else (tokens[1:], mask[1:])
 
     def _user_text(self, content: str, system: Optional[str], first: bool) -> str:
         if first and system is not None:

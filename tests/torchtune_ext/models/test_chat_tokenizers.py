@@ -501,6 +501,18 @@ def test_inst_prompt_and_training_sample_equal_the_template(inst_files, family, 
     assert ours.tokenize_messages(_messages(conversation))[0] == _ids(hf.apply_chat_template(conversation))
 
 
+def test_llama2_keeps_torchtunes_tokenize_messages_keywords(inst_files):
+    """torchtune's ``Llama2Tokenizer.tokenize_messages`` takes ``add_start_tokens`` / ``add_end_tokens``; ours too:
+    the inference prompt is the open template, and without start tokens the sample loses only its ``<s>``."""
+    ours = chat.llama2_tokenizer(inst_files[0])
+    conversation = _messages(CONVERSATIONS[0])
+    tokens, mask = ours.tokenize_messages(conversation)
+    assert ours.tokenize_messages(conversation, add_start_tokens=False) == (tokens[1:], mask[1:])
+    assert tokens[0] == ours.bos_id and tokens[-1] == ours.eos_id
+    open_end = ours.tokenize_messages(conversation, add_end_tokens=False)[0]
+    assert open_end == ours({"messages": conversation}, inference=True)["tokens"] and open_end[-1] != ours.eos_id
+
+
 def test_mistral_refuses_a_system_message(inst_files):
     """Mistral-Instruct's template refuses a system role; so does the tokenizer, naming the fix."""
     with pytest.raises(ValueError, match="Mistral-Instruct's chat template has no system role"):
