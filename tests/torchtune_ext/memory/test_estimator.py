@@ -155,6 +155,7 @@ LLAMA3_2_1B_SHAPE = dict(
 )
 
 
+@pytest.mark.slow  # a real CPU step of a 1B-shaped model: about 5 minutes on 2 cores
 def test_llama3_2_1b_shape_fake_estimate_matches_real_cpu_run():
     """Validation (a) at Llama 3.2 1B's shape: 2 of its 16 layers, bf16, 1 x 64 tokens, AC, our loss, LoRA rank 32
     on q/k/v/o + MLP; the recipe's estimate vs its real CPU run (~25 s, most of it quantizing the real weights).
