@@ -18,17 +18,13 @@ from torchtune.models.qwen2_5 import (
 
 from torchtune_ext.models._chat_tokenizers import (
     Gemma2ChatTokenizer,
-    Llama2ChatTokenizer,
     Llama3ChatTokenizer,
-    MistralChatTokenizer,
     Phi3ChatTokenizer,
     Qwen2_5ChatTokenizer,
     Qwen3ChatTokenizer,
     SmolLM2Tokenizer,
     gemma_tokenizer,
-    llama2_tokenizer,
     llama3_tokenizer,
-    mistral_tokenizer,
     phi3_mini_tokenizer,
     qwen2_5_tokenizer,
     qwen3_tokenizer,
@@ -37,6 +33,12 @@ from torchtune_ext.models._chat_tokenizers import (
 from torchtune_ext.models._from_hf import torchtune_builder_for
 from torchtune_ext.models._gemma2 import lora_gemma2, lora_gemma2_2b, lora_gemma2_9b, lora_gemma2_27b
 from torchtune_ext.models._init import check_adapter_state, init_adapters_, init_weights_, materialize_
+from torchtune_ext.models._inst_tokenizers import (
+    Llama2ChatTokenizer,
+    MistralChatTokenizer,
+    llama2_tokenizer,
+    mistral_tokenizer,
+)
 from torchtune_ext.models._phi3 import lora_phi, lora_phi3_5_mini, lora_phi4_mini
 from torchtune_ext.models._phi4_mini_tokenizer import Phi4MiniTokenizer, phi4_mini_tokenizer
 from torchtune_ext.models._qlora import build_qlora, qlora_builder

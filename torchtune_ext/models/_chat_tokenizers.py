@@ -31,11 +31,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import regex
 from torchtune.data import Message
-from torchtune.data._prompt_templates import _get_prompt_template, _TemplateType
+from torchtune.data._prompt_templates import _TemplateType
 from torchtune.models.gemma import GemmaTokenizer
-from torchtune.models.llama2 import Llama2Tokenizer
 from torchtune.models.llama3 import Llama3Tokenizer
-from torchtune.models.mistral import MistralTokenizer
 from torchtune.models.phi3 import Phi3MiniTokenizer
 from torchtune.models.phi3._tokenizer import PHI3_SPECIAL_TOKENS
 from torchtune.models.qwen2 import Qwen2Tokenizer
@@ -47,6 +45,14 @@ from torchtune.models.qwen2_5._tokenizer import (
 from torchtune.modules.transforms.tokenizers import parse_hf_tokenizer_json
 
 from torchtune_ext.config import ConfigError
+from torchtune_ext.models._chat_format import (
+    CHAT_TOKENS,
+    _cut,
+    _missing_chat_tokens,
+    _open_end,
+    _template,
+    _text,
+)
 
 #: the default system message of SmolLM2-Instruct's chat template (its ``tokenizer_config.json``), written when a
 #: conversation has none.
@@ -57,73 +63,6 @@ QWEN2_5_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a help
 #: Llama 3.1-Instruct's (and 3.3's) ``date_string`` default; Llama 3.2's template writes today's date instead, which
 #: would make samples depend on the day: the same fixed date is used for every Llama 3.x.
 LLAMA3_DATE_STRING = "26 Jul 2024"
-
-#: torchtune's chat-format templates, by the family that uses them; a family takes only its own (task templates
-#: such as a summarisation prompt are not chat formats and are taken by any family).
-CHAT_FORMAT_TEMPLATES = {
-    "torchtune.data.ChatMLTemplate": "chatml",
-    "torchtune.models.llama2.Llama2ChatTemplate": "llama2",
-    "torchtune.models.mistral.MistralChatTemplate": "mistral",
-}
-#: each family's chat tokens (what a tokenizer file must hold to write its chat format).
-CHAT_TOKENS = {
-    "smollm2": ("<|im_start|>", "<|im_end|>"),
-    "qwen2_5": ("<|im_start|>", "<|im_end|>"),
-    "qwen3": ("<|im_start|>", "<|im_end|>"),
-    "phi3": ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"),
-    "gemma": ("<start_of_turn>", "<end_of_turn>"),
-    "llama3": ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-}
-
-
-def _cut(tokens: List[int], mask: List[bool], max_seq_len: Optional[int]) -> Tuple[List[int], List[bool]]:
-    """A plain cut at ``max_seq_len`` (no token replaced, no mask changed)."""
-    if max_seq_len:
-        return tokens[:max_seq_len], mask[:max_seq_len]
-    return tokens, mask
-
-
-def _open_end(messages: Sequence[Message], add_end: bool) -> bool:
-    """Whether the conversation ends with an assistant message left open for the model to continue (inference)."""
-    return not add_end and bool(messages) and messages[-1].role == "assistant"
-
-
-def _text(message: Message) -> str:
-    if any(item["type"] != "text" for item in message.content):
-        raise RuntimeError(f"This tokenizer takes text content only, not {message.content!r}.")
-    return "".join(item["content"] for item in message.content)
-
-
-def check_prompt_template(prompt_template: Any, family: str) -> None:
-    """Refuses another family's chat format as ``tokenizer.prompt_template``.
-
-    Args:
-        prompt_template (Any): the config's value (a dotpath, a dict of tags or None).
-        family (str): the tokenizer's family (a key of ``CHAT_TOKENS``, or ``llama2`` / ``mistral``).
-
-    Raises:
-        ConfigError: naming ``tokenizer.prompt_template`` and the fix.
-    """
-    if not isinstance(prompt_template, str):
-        return
-    owner = CHAT_FORMAT_TEMPLATES.get(prompt_template)
-    if owner is not None and owner != family:  # ChatML families write ChatML themselves: refused too
-        raise ConfigError(
-            f"tokenizer.prompt_template={prompt_template} is the {owner} chat format; this {family} tokenizer writes "
-            "its own: remove tokenizer.prompt_template (or set it to a task template).",
-            "tokenizer.prompt_template",
-        )
-
-
-def _template(prompt_template: Optional[_TemplateType], family: str) -> Any:
-    check_prompt_template(prompt_template, family)
-    return None if prompt_template is None else _get_prompt_template(prompt_template)
-
-
-def _missing_chat_tokens(family: str, special_tokens: Mapping[str, int], key: str, fix: str) -> None:
-    missing = [token for token in CHAT_TOKENS[family] if token not in special_tokens]
-    if missing:
-        raise ConfigError(f"{key}: the tokenizer lacks {family}'s chat tokens {missing}; {fix}", key)
 
 
 class _ChatMLMixin:
@@ -487,170 +426,6 @@ def gemma_tokenizer(
     present = {token: token_id for token, token_id in pieces.items() if token_id != processor.unk_id()}
     _missing_chat_tokens("gemma", present, "tokenizer.path", "set tokenizer.path to Gemma 2's tokenizer.model.")
     return tokenizer
-
-
-class _InstMixin:
-    """``[INST]`` turns as Llama-2-chat's and Mistral-Instruct's chat templates write them, each run of text between
-    special tokens encoded as their ``tokenizer.json`` encodes it: a "▁" before a run that follows ``<s>`` or
-    ``</s>``, none before an answer, which goes on from ``[/INST]`` in the same run."""
-
-    #: the family's own chat format among torchtune's templates (the tokenizer writes it itself).
-    chat_format: str = ""
-
-    def _user_text(self, content: str, system: Optional[str], first: bool) -> str:
-        raise NotImplementedError
-
-    def _answer_text(self, content: str, open_end: bool) -> str:
-        raise NotImplementedError
-
-    def _turn_bos(self, index: int) -> List[int]:
-        """``<s>`` before the user turn at ``index``."""
-        raise NotImplementedError
-
-    def tokenize_messages(self, messages: List[Message], *, add_eos: bool = True) -> Tuple[List[int], List[bool]]:
-        """
-        Args:
-            messages (List[Message]): the conversation (a system message first, where the family has one).
-            add_eos (bool): False (inference): a last assistant message stays open (no ``</s>``).
-
-        Returns:
-            Tuple[List[int], List[bool]]: tokens and masks (True: not trained on), cut at ``max_seq_len``.
-
-        Raises:
-            ValueError: for a role other than system, user and assistant.
-        """
-        turns = list(self.prompt_template(messages) if self.prompt_template is not None else messages)
-        system = _text(turns.pop(0)) if turns and turns[0].role == "system" else None
-        open_end = _open_end(turns, add_eos)
-        tokens: List[int] = []
-        mask: List[bool] = []
-        for index, message in enumerate(turns):
-            if message.role == "user":
-                text = self._user_text(_text(message), system, first=index == 0)
-                ids = [*self._turn_bos(index), *self.encode(text, add_bos=False, add_eos=False)]
-            elif message.role == "assistant":
-                last = open_end and index == len(turns) - 1
-                text = self._answer_text(_text(message), open_end=last)
-                ids = self.encode(text, add_bos=False, add_eos=False, trim_leading_whitespace=True) if text else []
-                ids += [] if last else [self.eos_id]
-            else:
-                raise ValueError(f"The [INST] chat format has no {message.role!r} role: use system, user, assistant.")
-            tokens, mask = tokens + ids, mask + [message.masked] * len(ids)
-        return _cut(tokens, mask, self.max_seq_len)
-
-    def __call__(self, sample: Mapping[str, Any], inference: bool = False) -> Mapping[str, Any]:
-        """Replaces ``sample["messages"]`` with their ``tokens`` and ``mask`` (``inference``: the last assistant
-        message stays open)."""
-        messages = sample.pop("messages")
-        # the template's own keywords: Llama2ChatTokenizer keeps torchtune's add_end_tokens for its callers
-        sample["tokens"], sample["mask"] = _InstMixin.tokenize_messages(self, messages, add_eos=not inference)
-        return sample
-
-
-class Llama2ChatTokenizer(_InstMixin, Llama2Tokenizer):
-    """torchtune's ``Llama2Tokenizer`` writing Llama-2-chat's chat template (its ``tokenizer_config.json``, the same
-    as Meta's reference ``chat_completion``): ``<s>[INST] {user, stripped} [/INST]`` per user turn, the system
-    message as ``<<SYS>>\n{system}\n<</SYS>>\n\n`` at the start of the first, `` {answer, stripped} </s>`` per
-    answer; a generation prompt ends ``[/INST]``."""
-
-    chat_format = "torchtune.models.llama2.Llama2ChatTemplate"
-
-    def tokenize_messages(  # torchtune's Llama2Tokenizer keywords
-        self, messages: List[Message], *, add_start_tokens: bool = True, add_end_tokens: bool = True
-    ) -> Tuple[List[int], List[bool]]:
-        """The chat template's tokens and mask (see :meth:`_InstMixin.tokenize_messages`); ``add_end_tokens=False``
-        (inference) leaves a last assistant message open. ``add_start_tokens=False`` drops the leading ``<s>``."""
-        tokens, mask = super().tokenize_messages(messages, add_eos=add_end_tokens)
-        return (tokens, mask) if add_start_tokens or tokens[:1] != [self.bos_id] else (tokens[1:], mask[1:])
-
-    def _user_text(self, content: str, system: Optional[str], first: bool) -> str:
-        if first and system is not None:
-            content = f"<<SYS>>\n{system}\n<</SYS>>\n\n{content}"
-        return f"[INST] {content.strip()} [/INST]"
-
-    def _answer_text(self, content: str, open_end: bool) -> str:
-        if open_end:
-            return f" {content.strip()}" if content.strip() else ""
-        return f" {content.strip()} "
-
-    def _turn_bos(self, index: int) -> List[int]:
-        return [self.bos_id]
-
-
-class MistralChatTokenizer(_InstMixin, MistralTokenizer):
-    """torchtune's ``MistralTokenizer`` writing Mistral-7B-Instruct-v0.2's chat template (Mixtral-8x7B-Instruct-v0.1's
-    is the same): ``<s>`` once, ``[INST] {user} [/INST]`` per user turn, ``{answer}</s>`` per answer; a generation
-    prompt ends ``[/INST]``. The template has no system role (it refuses one)."""
-
-    chat_format = "torchtune.models.mistral.MistralChatTemplate"
-
-    def _user_text(self, content: str, system: Optional[str], first: bool) -> str:
-        if system is not None:
-            raise ValueError(
-                "Mistral-Instruct's chat template has no system role: put the instructions at the start of the "
-                "first user message."
-            )
-        return f"[INST] {content} [/INST]"
-
-    def _answer_text(self, content: str, open_end: bool) -> str:
-        return content
-
-    def _turn_bos(self, index: int) -> List[int]:
-        return [self.bos_id] if index == 0 else []
-
-
-def _inst_template(prompt_template: Optional[_TemplateType], family: str, own: str) -> Any:
-    """A task template for an ``[INST]`` tokenizer: the family's own chat format (the builders' default) is the
-    tokenizer's to write, so it is not applied twice."""
-    return _template(None if prompt_template == own else prompt_template, family)
-
-
-def llama2_tokenizer(
-    path: str,
-    max_seq_len: Optional[int] = None,
-    prompt_template: Optional[_TemplateType] = Llama2ChatTokenizer.chat_format,
-) -> Llama2ChatTokenizer:
-    """Llama 2's tokenizer (:class:`Llama2ChatTokenizer`; torchtune's ``llama2_tokenizer`` keys), refusing another
-    family's chat format.
-
-    Args:
-        path (str): ``tokenizer.model``.
-        max_seq_len (Optional[int]): samples are cut at this length.
-        prompt_template (Optional[_TemplateType]): a task template applied to the messages first; Llama 2's own
-            (the default) or None: none (the tokenizer writes the chat format itself).
-
-    Returns:
-        Llama2ChatTokenizer: the tokenizer.
-
-    Raises:
-        ConfigError: if ``prompt_template`` is another family's chat format.
-    """
-    template = _inst_template(prompt_template, "llama2", Llama2ChatTokenizer.chat_format)
-    return Llama2ChatTokenizer(path, max_seq_len, template)
-
-
-def mistral_tokenizer(
-    path: str,
-    max_seq_len: Optional[int] = None,
-    prompt_template: Optional[_TemplateType] = MistralChatTokenizer.chat_format,
-) -> MistralChatTokenizer:
-    """Mistral's tokenizer (:class:`MistralChatTokenizer`; torchtune's ``mistral_tokenizer`` keys), refusing another
-    family's chat format.
-
-    Args:
-        path (str): ``tokenizer.model``.
-        max_seq_len (Optional[int]): samples are cut at this length.
-        prompt_template (Optional[_TemplateType]): a task template applied to the messages first; Mistral's own
-            (the default) or None: none (the tokenizer writes the chat format itself).
-
-    Returns:
-        MistralChatTokenizer: the tokenizer.
-
-    Raises:
-        ConfigError: if ``prompt_template`` is another family's chat format.
-    """
-    template = _inst_template(prompt_template, "mistral", MistralChatTokenizer.chat_format)
-    return MistralChatTokenizer(path, max_seq_len, template)
 
 
 class Llama3ChatTokenizer(Llama3Tokenizer):

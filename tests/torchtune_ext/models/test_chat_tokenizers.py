@@ -23,6 +23,7 @@ from torchtune_ext.config import ConfigError
 from torchtune_ext.data import TINY_TOKENIZER_PATH, tiny_instruct_samples
 from torchtune_ext.generation import Generator, check_chat_prompt
 from torchtune_ext.models import _chat_tokenizers as chat
+from torchtune_ext.models import _inst_tokenizers as inst
 from torchtune_ext.training import build_tokenizer
 
 # SmolLM2-Instruct's chat_template, verbatim (its tokenizer_config.json; the same string is the GGUF's
@@ -464,11 +465,11 @@ def test_phi3_prompt_and_training_sample_equal_the_template(phi3_files, index):
 
 INST = {  # family -> (builder, published template, conversations its template takes)
     "llama2": (
-        chat.llama2_tokenizer,
+        inst.llama2_tokenizer,
         LLAMA2_CHAT_TEMPLATE,
         [*CONVERSATIONS, CONVERSATIONS[1][:3], CONVERSATIONS[1][1:]],
     ),
-    "mistral": (chat.mistral_tokenizer, MISTRAL_INSTRUCT_TEMPLATE, [CONVERSATIONS[0], CONVERSATIONS[1][1:]]),
+    "mistral": (inst.mistral_tokenizer, MISTRAL_INSTRUCT_TEMPLATE, [CONVERSATIONS[0], CONVERSATIONS[1][1:]]),
 }
 
 
@@ -504,7 +505,7 @@ def test_inst_prompt_and_training_sample_equal_the_template(inst_files, family, 
 def test_llama2_keeps_torchtunes_tokenize_messages_keywords(inst_files):
     """torchtune's ``Llama2Tokenizer.tokenize_messages`` takes ``add_start_tokens`` / ``add_end_tokens``; ours too:
     the inference prompt is the open template, and without start tokens the sample loses only its ``<s>``."""
-    ours = chat.llama2_tokenizer(inst_files[0])
+    ours = inst.llama2_tokenizer(inst_files[0])
     conversation = _messages(CONVERSATIONS[0])
     tokens, mask = ours.tokenize_messages(conversation)
     assert ours.tokenize_messages(conversation, add_start_tokens=False) == (tokens[1:], mask[1:])
@@ -516,7 +517,7 @@ def test_llama2_keeps_torchtunes_tokenize_messages_keywords(inst_files):
 def test_mistral_refuses_a_system_message(inst_files):
     """Mistral-Instruct's template refuses a system role; so does the tokenizer, naming the fix."""
     with pytest.raises(ValueError, match="Mistral-Instruct's chat template has no system role"):
-        chat.mistral_tokenizer(inst_files[0]).tokenize_messages(_messages(CONVERSATIONS[1]))
+        inst.mistral_tokenizer(inst_files[0]).tokenize_messages(_messages(CONVERSATIONS[1]))
 
 
 @pytest.fixture(scope="module")
@@ -528,8 +529,8 @@ def families(chatml_files, tmp_path_factory):
         "smollm2": lambda n: _chatml(chatml_files, "smollm2", max_seq_len=n),
         "qwen2_5": lambda n: _chatml(chatml_files, "qwen2_5", max_seq_len=n),
         "qwen3": lambda n: _chatml(chatml_files, "qwen3", max_seq_len=n),
-        "llama2": lambda n: chat.llama2_tokenizer(tiny, max_seq_len=n),
-        "mistral": lambda n: chat.mistral_tokenizer(tiny, max_seq_len=n),
+        "llama2": lambda n: inst.llama2_tokenizer(tiny, max_seq_len=n),
+        "mistral": lambda n: inst.mistral_tokenizer(tiny, max_seq_len=n),
         "llama3": lambda n: chat.llama3_tokenizer(tiktoken, max_seq_len=n),
         "gemma": lambda n: chat.gemma_tokenizer(gemma, max_seq_len=n),
         "phi3": lambda n: chat.phi3_mini_tokenizer(tiny, max_seq_len=n),
@@ -630,7 +631,7 @@ def test_another_family_s_chat_format_is_refused_at_build(chatml_files):
         build_tokenizer(section)
     assert e.value.key == "tokenizer.prompt_template"
     with pytest.raises(ConfigError, match="is the llama2 chat format; this mistral tokenizer"):
-        chat.mistral_tokenizer(str(TINY_TOKENIZER_PATH), prompt_template="torchtune.models.llama2.Llama2ChatTemplate")
+        inst.mistral_tokenizer(str(TINY_TOKENIZER_PATH), prompt_template="torchtune.models.llama2.Llama2ChatTemplate")
 
 
 def test_gemma_model_without_chat_tokens_is_refused():
@@ -656,4 +657,4 @@ def test_generation_refuses_a_tokenizer_whose_chat_prompt_ends_with_an_end_token
     check_chat_prompt(
         chat.qwen2_5_tokenizer(**paths, special_tokens_path=special), "torchtune_ext.models.qwen2_5_tokenizer"
     )
-    check_chat_prompt(chat.mistral_tokenizer(str(TINY_TOKENIZER_PATH)), "torchtune_ext.models.mistral_tokenizer")
+    check_chat_prompt(inst.mistral_tokenizer(str(TINY_TOKENIZER_PATH)), "torchtune_ext.models.mistral_tokenizer")
