@@ -110,7 +110,7 @@ def _validate(args: argparse.Namespace) -> None:
     from torchtune.config._parse import TuneRecipeArgumentParser
     from torchtune.config._utils import _merge_yaml_and_cli_args
 
-    from torchtune_ext.config import validate
+    from torchtune_ext._validate import validate
 
     path = _resolve(args.config, config_files(), "config")
     recipe = args.recipe or recipe_of(args.config[: -len(".yaml")] if args.config.endswith(".yaml") else args.config)

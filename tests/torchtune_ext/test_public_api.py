@@ -59,10 +59,13 @@ def test_no_private_cross_package_imports():
     assert _violations() == []
 
 
-#: CONTRIBUTING.md's layers: a package imports only packages of lower layers.
+#: CONTRIBUTING.md's layers: a package (or a module of the root package) imports only those of lower layers.
 LAYERS = {
+    "config": -1,
+    "_shipped": -1,
     "_compat": 0,
     "_dtype": 0,
+    "_finite": 0,
     "nf4": 1,
     "distributed": 2,
     "modules": 3,
@@ -76,17 +79,33 @@ LAYERS = {
     "evaluation": 8,
     "cli": 9,
 }
+#: the modules of ``tune-ext`` beside ``cli.py`` (its subcommands' code): one unit with it.
+CLI_MODULES = ("_use_cli", "_validate")
+
+
+def _unit(path: Path) -> str:
+    """The package or root module ``path`` belongs to (``cli`` for the CLI's modules)."""
+    top = path.relative_to(ROOT / "torchtune_ext").with_suffix("").parts[0]
+    return "cli" if top in CLI_MODULES else top
+
+
+def _library_modules() -> List[Path]:
+    """Every module of the library but the root ``__init__`` (which only installs ``_compat``'s import hook)."""
+    return [p for p in sorted((ROOT / "torchtune_ext").rglob("*.py")) if p != ROOT / "torchtune_ext" / "__init__.py"]
+
+
+def test_every_module_is_in_a_layer():
+    assert sorted({_unit(path) for path in _library_modules()} - set(LAYERS)) == []
 
 
 def test_imports_only_go_down_the_layers():
     upward = []
-    for path in sorted((ROOT / "torchtune_ext").rglob("*.py")):
-        parts = path.relative_to(ROOT / "torchtune_ext").with_suffix("").parts
-        if parts[0] not in LAYERS:
-            continue
+    for path in _library_modules():
+        unit = _unit(path)
         for line, name in _imports(path):
-            target = name.split(".")[1] if name.startswith("torchtune_ext.") else None
-            if target in LAYERS and target != parts[0] and LAYERS[target] >= LAYERS[parts[0]]:
+            top = name.split(".")[1] if name.startswith("torchtune_ext.") else None
+            target = "cli" if top in CLI_MODULES else top
+            if target in LAYERS and target != unit and LAYERS[target] >= LAYERS[unit]:
                 upward.append(f"{path.relative_to(ROOT)}:{line}: {name}")
     assert upward == []
 

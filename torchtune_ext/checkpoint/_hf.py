@@ -48,6 +48,10 @@ _FAMILY_CONVERTERS: Dict[str, Tuple[Callable[..., Any], Callable[..., Any], Dict
     "GEMMA2": (_gemma2.hf_to_tune, _gemma2.tune_to_hf, _gemma2.GEMMA2_FROM_HF),
 }
 
+#: model_type -> the HFConverter subclass of a family whose HF layout is its own (each registers itself, e.g.
+#: ``checkpoint._phi3.Phi3Converter``; this package imports it).
+_CONVERTERS: Dict[str, type] = {}
+
 _ADAPTER_SUFFIXES = {
     ".lora_a.weight": ".lora_A.weight",
     ".lora_b.weight": ".lora_B.weight",
@@ -80,6 +84,13 @@ class HFConverter:
     Raises:
         ValueError: on an unsupported ``model_type``.
     """
+
+    #: the model types a subclass converts (its HF layout is its own); :meth:`for_model` hands them to it.
+    model_types: Tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _CONVERTERS.update(dict.fromkeys(cls.model_types, cls))
 
     def __init__(
         self,
@@ -123,10 +134,9 @@ class HFConverter:
         Returns:
             HFConverter: the converter.
         """
-        if cls is HFConverter and model_type == "PHI3_MINI":  # fused HF tensors
-            from torchtune_ext.checkpoint._phi3 import Phi3Converter
-
-            return Phi3Converter.for_model(model_type, model)
+        family = _CONVERTERS.get(model_type)
+        if cls is HFConverter and family is not None:  # a layout of its own (fused HF tensors)
+            return family.for_model(model_type, model)
         attn = model.layers[0].attn
         tied = not any(name == "output.weight" for name, _ in model.named_parameters())
         return cls(model_type, attn.num_heads, attn.num_kv_heads, attn.embed_dim, attn.head_dim, tied)

@@ -79,6 +79,8 @@ class Phi3Converter(HFConverter):
         tie_word_embeddings (bool): whether the output projection is the token embedding (no ``lm_head``).
     """
 
+    model_types = ("PHI3_MINI",)
+
     def __init__(self, model_type, num_heads, num_kv_heads, embed_dim, head_dim, tie_word_embeddings):
         super().__init__(model_type, num_heads, num_kv_heads, embed_dim, head_dim, tie_word_embeddings)
         self._splits = {

@@ -1,18 +1,9 @@
-"""Config checks: everything a recipe config can get wrong, found before any weight or data is loaded and before
-anything is written, reported one line per problem (:class:`ConfigError`) without a traceback."""
+"""The bottom layer: the errors every layer raises (:class:`UserFacingError`, :class:`ConfigError`, in ``_errors``),
+the QLoRA recipes' config schema (``_schema``: every key once) and the config checks run before any work, reported one
+line per problem without a traceback. It imports nothing else of torchtune_ext."""
 
-from torchtune_ext.config._check import (
-    EVAL_KEYS,
-    GENERATION_KEYS,
-    RECIPE_KEYS,
-    TOKENIZER_FILE_KEYS,
-    available_devices,
-    check_config,
-    check_generation_config,
-    missing_tokenizer_file,
-    read_json_records,
-    suggest,
-)
+from torchtune_ext.config._check import check_config, check_generation_config
+from torchtune_ext.config._device import available_devices
 from torchtune_ext.config._errors import (
     CONFIG_ERROR_DIR_ENV,
     CONFIG_ERROR_EXIT_CODE,
@@ -24,9 +15,21 @@ from torchtune_ext.config._errors import (
     exit_on_config_error,
     print_config_error,
 )
+from torchtune_ext.config._files import TOKENIZER_FILE_KEYS, missing_tokenizer_file, read_json_records
 from torchtune_ext.config._instantiate import COMPONENT_VALUE_ERRORS, instantiate_component
+from torchtune_ext.config._keys import suggest
 from torchtune_ext.config._parse import parse
-from torchtune_ext.config._validate import validate
+from torchtune_ext.config._schema import (
+    EVAL_KEYS,
+    GENERATION_KEYS,
+    RECIPE_KEYS,
+    RECIPE_SCHEMA,
+    Key,
+    Rule,
+    key_table,
+    positive_integer,
+    recipe_setting,
+)
 
 __all__ = [
     "COMPONENT_VALUE_ERRORS",
@@ -35,10 +38,13 @@ __all__ = [
     "EVAL_KEYS",
     "GENERATION_KEYS",
     "RECIPE_KEYS",
+    "RECIPE_SCHEMA",
     "TOKENIZER_FILE_KEYS",
     "TRACEBACK_ENV",
     "ConfigError",
     "ConfigFileNotFoundError",
+    "Key",
+    "Rule",
     "UserFacingError",
     "available_devices",
     "bad_value",
@@ -46,10 +52,12 @@ __all__ = [
     "check_generation_config",
     "exit_on_config_error",
     "instantiate_component",
+    "key_table",
     "missing_tokenizer_file",
     "parse",
+    "positive_integer",
     "print_config_error",
     "read_json_records",
+    "recipe_setting",
     "suggest",
-    "validate",
 ]

@@ -1,6 +1,7 @@
 """A QLoRA recipe's settings, read from its config and checked once (:class:`RecipeSettings`), the LoRA settings of
 its model (for the PEFT adapter config), and the dtypes derived from the base checkpoint."""
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -10,8 +11,8 @@ from torchtune import utils
 from torchtune.modules.peft import get_lora_module_names
 
 from torchtune_ext._dtype import parse_dtype
-from torchtune_ext.checkpoint import DEFAULT_KEEP_LAST_N, MERGE_BASES, parse_keep_last_n
-from torchtune_ext.config import ConfigError
+from torchtune_ext.checkpoint import parse_keep_last_n
+from torchtune_ext.config import positive_integer, recipe_setting
 from torchtune_ext.memory import device_profile
 from torchtune_ext.modules.vocab_pruning import VocabPruning, parse_vocab_pruning
 from torchtune_ext.training._activations import check_activation_offloading
@@ -29,17 +30,43 @@ def positive_int(cfg: DictConfig, key: str, default: Optional[int]) -> Optional[
         Optional[int]: ``cfg[key]``.
 
     Raises:
-        ValueError: if it is not a positive integer (or null, where the default is None).
+        ConfigError: if it is not a positive integer (or null, where the default is None).
     """
     value = cfg.get(key, default)
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise ConfigError(f"{key}={value!r} must be a positive integer{' or null' if default is None else ''}.")
+    error = positive_integer(nullable=default is None).error(key, value)
+    if error is not None:
+        raise error
     return value
+
+
+#: the settings that are the config's value (or the schema's default) as it is.
+_AS_CONFIGURED = (
+    "batch_size",
+    "log_every_n_steps",
+    "gradient_accumulation_steps",
+    "clip_grad_norm",
+    "epochs",
+    "max_steps_per_epoch",
+    "stop_after_step",
+    "save_every_n_steps",
+    "run_val_every_n_steps",
+    "max_validation_steps",
+    "resume_from_checkpoint",
+    "save_adapter_weights_only",
+    "merge_base",
+    "enable_activation_checkpointing",
+    "tiled_mlp_tokens",
+    "frozen_dtype",
+    "merged_dtype",
+    "collate_fn",
+    "compile",
+)
 
 
 @dataclass(frozen=True)
 class RecipeSettings:
-    """The settings both QLoRA recipes take, read from the config and checked once, before anything is built.
+    """The settings both QLoRA recipes take, read from the config and checked once, before anything is built: each
+    key's default and allowed values are those of the config schema (``torchtune_ext.config.RECIPE_SCHEMA``).
 
     Attributes:
         dry_run (bool): estimate the memory only (the configured device need not be on this machine).
@@ -119,42 +146,19 @@ class RecipeSettings:
             ConfigError: on bf16 where ``device_profile`` (or ``compute_capability``) names a card without it, or an
                 unknown profile, in a dry run and a real run alike.
         """
-        dry_run = bool(cfg.get("dry_run", False))
-        device = torch.device(cfg.device) if dry_run else utils.get_device(device=cfg.device)
-        dtype = parse_dtype(cfg.get("dtype", "fp32"), None if dry_run else device)
+        setting = functools.partial(recipe_setting, cfg)
+        dry_run = bool(setting("dry_run"))
+        device = torch.device(setting("device")) if dry_run else utils.get_device(device=setting("device"))
+        dtype = parse_dtype(setting("dtype"), None if dry_run else device)
         # the card the config is for (device_profile, or device_memory_gb + compute_capability): its limits apply to
         # the run as to its dry run
-        profile = device_profile(
-            cfg.get("device_profile", None), cfg.get("device_memory_gb", None), cfg.get("compute_capability", None)
-        )
+        profile = device_profile(setting("device_profile"), setting("device_memory_gb"), setting("compute_capability"))
         if profile is not None:
             profile.check_dtype(dtype)
-        adapter_dtype = default_adapter_dtype(dtype, cfg.get("adapter_dtype", None))
-        batch_size = positive_int(cfg, "batch_size", 1)
-        counts = {
-            key: positive_int(cfg, key, default)
-            for key, default in (
-                ("log_every_n_steps", 1),
-                ("gradient_accumulation_steps", 1),
-                ("epochs", 1),
-                ("max_steps_per_epoch", None),
-                ("stop_after_step", None),
-                ("save_every_n_steps", None),
-                ("run_val_every_n_steps", None),
-                ("max_validation_steps", None),
-            )
-        }
-        keep_last_n = parse_keep_last_n(cfg.get("keep_last_n_checkpoints", DEFAULT_KEEP_LAST_N))
-        merge_base = cfg.get("merge_base", "nf4")
-        if merge_base not in MERGE_BASES:
-            raise ConfigError(  # a config error: one line, exit code 2
-                f"merge_base={merge_base!r} is not supported; use merge_base=nf4 (merge onto the NF4 base the "
-                "adapter was trained on: exactly the trained model) or merge_base=original (onto the checkpoint's "
-                "own weights).",
-                "merge_base",
-            )
-        tiled_mlp_tokens = positive_int(cfg, "tiled_mlp_tokens", None)
-        offloading = cfg.get("enable_activation_offloading", False)
+        adapter_dtype = default_adapter_dtype(dtype, setting("adapter_dtype"))
+        configured = {name: setting(name) for name in _AS_CONFIGURED}
+        keep_last_n = parse_keep_last_n(setting("keep_last_n_checkpoints"))
+        offloading = setting("enable_activation_offloading")
         if not dry_run:
             check_activation_offloading(offloading, device)
         return cls(
@@ -162,24 +166,13 @@ class RecipeSettings:
             device=device,
             dtype=dtype,
             adapter_dtype=adapter_dtype,
-            batch_size=batch_size,
-            clip_grad_norm=cfg.get("clip_grad_norm", None),
-            resume_from_checkpoint=cfg.get("resume_from_checkpoint", False),
-            overwrite_output_dir=bool(cfg.get("overwrite_output_dir", False)),
-            save_adapter_weights_only=cfg.get("save_adapter_weights_only", False),
             keep_last_n=keep_last_n,
-            merge_every_epoch=bool(cfg.get("merge_every_epoch", False)),
-            merge_base=merge_base,
-            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            overwrite_output_dir=bool(setting("overwrite_output_dir")),
+            merge_every_epoch=bool(setting("merge_every_epoch")),
             enable_activation_offloading=offloading,
-            tiled_mlp_tokens=tiled_mlp_tokens,
-            max_seq_len=cfg.get("tokenizer", {}).get("max_seq_len", None),
-            frozen_dtype=cfg.get("frozen_dtype", None),
-            merged_dtype=cfg.get("merged_dtype", None),
-            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
-            compile=cfg.get("compile", False),
-            vocab_pruning=parse_vocab_pruning(cfg.get("vocab_pruning", None)),
-            **counts,
+            max_seq_len=setting("tokenizer.max_seq_len"),
+            vocab_pruning=parse_vocab_pruning(setting("vocab_pruning")),
+            **configured,
         )
 
 

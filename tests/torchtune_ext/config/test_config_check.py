@@ -14,15 +14,23 @@ from omegaconf import OmegaConf
 from torchtune_ext.config import (
     ConfigError,
     ConfigFileNotFoundError,
-    _check,
+    _device,
     available_devices,
     check_config,
     read_json_records,
 )
+from torchtune_ext.data import TINY_SPLITS
+from torchtune_ext.training import LossScaler
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "configs" / "tiny" / "qlora_single_device.yaml"
 ALPACA = "dataset._component_=torchtune.datasets.alpaca_dataset"
+
+
+def _check_as_the_recipe(cfg, dry_run: bool = False) -> None:
+    """``check_config`` with what the QLoRA recipe passes: the tiny data set's splits, the loss scaler's arguments."""
+    splits = {"torchtune_ext.data.tiny_instruct_dataset": TINY_SPLITS}
+    check_config(cfg, dry_run=dry_run, splits=splits, plain_sections={"loss_scaler": LossScaler})
 
 
 def _cfg(*overrides: str):
@@ -31,7 +39,7 @@ def _cfg(*overrides: str):
 
 def _error(*overrides: str, dry_run: bool = False) -> ConfigError:
     with pytest.raises(ConfigError) as raised:
-        check_config(_cfg(*overrides), dry_run=dry_run)
+        _check_as_the_recipe(_cfg(*overrides), dry_run=dry_run)
     return raised.value
 
 
@@ -42,11 +50,11 @@ TRAINING_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not p
 
 @pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=lambda p: p.stem)
 def test_every_shipped_config_passes(path):
-    check_config(OmegaConf.load(path), dry_run=True)  # the real models' files are not downloaded here
+    _check_as_the_recipe(OmegaConf.load(path), dry_run=True)  # the real models' files are not downloaded here
 
 
 def test_the_tiny_config_passes_every_check():
-    check_config(_cfg(), dry_run=False)
+    _check_as_the_recipe(_cfg(), dry_run=False)
 
 
 # ------------------------------------------------------------------------------------------------------ keys
@@ -81,7 +89,7 @@ def test_a_data_set_builder_forwarding_load_dataset_kwargs_catches_near_misses_o
     # `field` is a keyword of the json loader (passed through **load_dataset_kwargs): not a typo
     records = tmp_path / "records.json"
     records.write_text(json.dumps({"rows": [{"instruction": "a", "output": "b"}]}))
-    check_config(_cfg(*common, f"dataset.data_files={records}", "dataset.field=rows"))
+    _check_as_the_recipe(_cfg(*common, f"dataset.data_files={records}", "dataset.field=rows"))
 
 
 def test_qlora_builders_have_the_torchtune_builders_signature():
@@ -117,7 +125,7 @@ def test_generate_base_checkpoint_none_gets_a_real_message(tune_cli):
         "model when checkpointer.checkpoint_dir has none, so it can stay; or delete the section in your own copy of "
         "the config (tune-ext cp)"
     )
-    check_config(_cfg("generate_base_checkpoint=null"), dry_run=True)
+    _check_as_the_recipe(_cfg("generate_base_checkpoint=null"), dry_run=True)
 
 
 def test_dataset_val_none_names_run_val_every_n_steps():
@@ -129,7 +137,7 @@ def test_a_required_section_that_is_none_or_missing():
     cfg = _cfg()
     cfg.pop("optimizer")
     with pytest.raises(ConfigError, match="optimizer is missing"):
-        check_config(cfg, dry_run=True)
+        _check_as_the_recipe(cfg, dry_run=True)
 
 
 # ---------------------------------------------------------------------------------------------------- ranges
@@ -175,7 +183,7 @@ def test_values_out_of_range(override):
     ["model.lora_rank=1", "model.lora_dropout=0.0", "max_steps_per_epoch=null", "tokenizer.max_seq_len=null"],
 )
 def test_values_at_the_edge_of_the_range_pass(override):
-    check_config(_cfg(override), dry_run=True)
+    _check_as_the_recipe(_cfg(override), dry_run=True)
 
 
 # ---------------------------------------------------------------------------------------------------- device
@@ -196,7 +204,7 @@ def test_available_devices_are_this_machines():
     ],
 )
 def test_a_device_this_machine_lacks(monkeypatch, devices, device, message):
-    monkeypatch.setattr(_check, "available_devices", lambda: devices)
+    monkeypatch.setattr(_device, "available_devices", lambda: devices)
     error = _error(f"device={device}")
     assert message in str(error)
     assert "device=cpu works everywhere" in str(error) or "cuda:1" in device or "cdua" in device
@@ -204,13 +212,13 @@ def test_a_device_this_machine_lacks(monkeypatch, devices, device, message):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:0"])
 def test_a_device_this_machine_has(monkeypatch, device):
-    monkeypatch.setattr(_check, "available_devices", lambda: ["cpu", "cuda:0"])
-    check_config(_cfg(f"device={device}"))
+    monkeypatch.setattr(_device, "available_devices", lambda: ["cpu", "cuda:0"])
+    _check_as_the_recipe(_cfg(f"device={device}"))
 
 
 def test_a_dry_run_needs_no_device(monkeypatch):
-    monkeypatch.setattr(_check, "available_devices", lambda: ["cpu"])
-    check_config(_cfg("device=cuda"), dry_run=True)
+    monkeypatch.setattr(_device, "available_devices", lambda: ["cpu"])
+    _check_as_the_recipe(_cfg("device=cuda"), dry_run=True)
 
 
 # ----------------------------------------------------------------------------------------------------- files
@@ -288,7 +296,7 @@ def test_columns_that_do_not_match_name_column_map_and_the_columns_found(tmp_pat
     )
     assert error.key == "dataset.column_map"
     mapped = ["dataset.column_map.instruction=question", "dataset.column_map.output=answer"]
-    check_config(_cfg(ALPACA, "dataset.source=json", f"dataset.data_files={path}", *mapped))
+    _check_as_the_recipe(_cfg(ALPACA, "dataset.source=json", f"dataset.data_files={path}", *mapped))
 
 
 def test_a_column_map_to_a_column_the_data_lacks(tmp_path):
@@ -321,6 +329,13 @@ def test_columns_of_other_builders(tmp_path, component, extra, message):
     assert message in str(error)
 
 
+def test_a_split_the_tiny_data_set_lacks():
+    assert str(_error("dataset_val.split=valid")) == (
+        "dataset_val.split='valid' is not a split of this data set, which has ['train', 'validation']; use "
+        "dataset_val.split=validation (or another of ['train', 'validation'])"
+    )
+
+
 def test_the_validation_set_is_checked_too(tmp_path):
     path, line, _ = _bad_jsonl(tmp_path)
     cfg = _cfg()
@@ -328,5 +343,5 @@ def test_the_validation_set_is_checked_too(tmp_path):
         {"_component_": "torchtune.datasets.alpaca_dataset", "source": "json", "data_files": str(path)}
     )
     with pytest.raises(ConfigError) as raised:
-        check_config(cfg)
+        _check_as_the_recipe(cfg)
     assert str(raised.value).startswith(f"dataset_val.data_files: {path}: line {line}")

@@ -1,5 +1,5 @@
 """``tune-ext validate``: the start-up checks of a config's recipe, run as the recipe runs them, without loading weights
-and without writing."""
+and without writing. It builds the recipe, so it sits at the top beside the CLI (``torchtune_ext.cli``)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _check_model_and_adapter(cfg: DictConfig, dtype: torch.dtype) -> List[str]:
     """What ``load_model_with_adapter`` checks before it reads a weight: the model on the meta device against the
     base checkpoint's headers and the adapter's config and headers."""
     from torchtune_ext.checkpoint import read_peft_adapter
-    from torchtune_ext.config._instantiate import instantiate_component
+    from torchtune_ext.config import instantiate_component
     from torchtune_ext.generation import build_model_for
 
     checkpointer = instantiate_component(cfg.checkpointer, "checkpointer")
