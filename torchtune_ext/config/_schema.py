@@ -70,6 +70,8 @@ def _positive_number_or_null(what: str) -> Rule:
 
 #: a key's default where the config must set it (it has none).
 REQUIRED = "required"
+#: the default of a section's argument: its component's own.
+COMPONENTS_OWN = "the component's"
 #: the merge bases (``torchtune_ext.checkpoint.MERGE_BASES``).
 MERGE_BASES = ("nf4", "original")
 
@@ -82,7 +84,8 @@ class Key:
         name (str): the key; dotted for an argument of a section (``model.lora_rank``), checked when present.
         type (str): what the value is, in words: ``int``, ``float``, ``bool``, ``str``, ``component`` (a section
             with a ``_component_``), ``section`` (plain keys), ``list``.
-        default (Any): its value when absent (:data:`REQUIRED`: none, the config sets it).
+        default (Any): its value when absent (:data:`REQUIRED`: none, the config sets it; :data:`COMPONENTS_OWN`: the
+            component's default).
         doc (str): what it does, one line.
         rule (Optional[Rule]): the values it allows, checked at start-up; None: any of its type (or checked where it
             is read, e.g. the dtypes).
@@ -258,52 +261,52 @@ _SECTION_ARGUMENTS: Tuple[Key, ...] = (
     Key(
         "model.lora_rank",
         "int",
-        REQUIRED,
+        COMPONENTS_OWN,
         "the LoRA rank",
         Rule(lambda v: _is_int(v) and v >= 1, "an integer >= 1 (e.g. 8, 16, 64)"),
     ),
     Key(
         "model.lora_alpha",
         "float",
-        REQUIRED,
+        COMPONENTS_OWN,
         "the LoRA scale's numerator (scale: alpha / rank)",
         Rule(lambda v: _is_number(v) and v > 0, "a number > 0 (commonly 2 * lora_rank)"),
     ),
     Key(
         "model.lora_dropout",
         "float",
-        0.0,
+        COMPONENTS_OWN,
         "dropout on the LoRA input",
         Rule(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
     ),
     Key(
         "model.lora_attn_modules",
         "list",
-        REQUIRED,
+        COMPONENTS_OWN,
         f"the attention projections with LoRA: any of {list(LORA_ATTN_MODULES)}",
     ),
     Key(
         "optimizer.lr",
         "float",
-        REQUIRED,
+        COMPONENTS_OWN,
         "the peak learning rate",
         Rule(lambda v: _is_number(v) and v > 0, "a number > 0 (e.g. 3e-4)"),
     ),
     Key(
         "optimizer.weight_decay",
         "float",
-        REQUIRED,
+        COMPONENTS_OWN,
         "the optimizer's weight decay",
         Rule(lambda v: _is_number(v) and v >= 0, "a number >= 0"),
     ),
     Key(
         "lr_scheduler.num_warmup_steps",
         "int",
-        REQUIRED,
+        COMPONENTS_OWN,
         "steps of linear warm-up",
         Rule(lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     ),
-    Key("loss.num_output_chunks", "int", REQUIRED, "the loss's chunks of tokens", positive_integer(False)),
+    Key("loss.num_output_chunks", "int", COMPONENTS_OWN, "the loss's chunks of tokens", positive_integer(False)),
     Key(
         "tokenizer.max_seq_len",
         "int",
@@ -372,6 +375,8 @@ def recipe_setting(cfg: DictConfig, key: str) -> Any:
     """
     spec = _BY_NAME[key]
     present, value = lookup(cfg, key)
+    if not present and spec.default == COMPONENTS_OWN:
+        raise ValueError(f"{key} is an argument of a component, read by the component itself")
     if not present:
         if spec.default == REQUIRED:
             raise ConfigError(f"{key} is missing: the recipe needs it ({spec.doc}); set {key}=...", key)
@@ -394,7 +399,8 @@ def key_table() -> str:
     """
     rows = ["| key | type | default | allowed | what it does |", "|---|---|---|---|---|"]
     for key in RECIPE_SCHEMA:
-        default = key.default if key.default == REQUIRED else "null" if key.default is None else f"`{key.default}`"
+        default = key.default if key.default in (REQUIRED, COMPONENTS_OWN) else f"`{key.default}`"
+        default = "null" if key.default is None else default
         allowed = key.rule.what if key.rule is not None else ""
         rows.append(f"| `{key.name}` | {key.type} | {default} | {_cell(allowed)} | {_cell(key.doc)} |")
     return "\n".join(rows) + "\n"

@@ -1,0 +1,133 @@
+"""The config schema: each QLoRA recipe key declared once, and the unknown-key check, the range checks, the recipe's
+settings and the docs' key table all read from it."""
+
+import ast
+import re
+from pathlib import Path
+from typing import Set
+
+import pytest
+from omegaconf import OmegaConf
+
+from torchtune_ext.checkpoint import DEFAULT_KEEP_LAST_N, MERGE_BASES
+from torchtune_ext.config import RECIPE_KEYS, RECIPE_SCHEMA, ConfigError, check_config, key_table, recipe_setting
+from torchtune_ext.config._schema import _SECTION_ARGUMENTS, COMPONENTS_OWN, REQUIRED
+from torchtune_ext.memory import DEFAULT_HEADROOM
+from torchtune_ext.training import RecipeSettings
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = ROOT / "configs" / "tiny" / "qlora_single_device.yaml"
+#: the code that reads a QLoRA recipe's config (as ``cfg``).
+READERS = ("torchtune_ext/training/*.py", "torchtune_ext/memory/*.py", "recipes/qlora_finetune_*.py")
+#: modules whose ``cfg`` is a section, not the recipe config.
+SECTION_READERS = ("_interrupt.py",)
+#: RecipeSettings fields that are the value of a key of another name.
+_FIELD_KEYS = {"keep_last_n": "keep_last_n_checkpoints", "max_seq_len": "tokenizer.max_seq_len"}
+#: RecipeSettings fields derived from keys, not read as they are.
+_DERIVED = {"device", "dtype", "adapter_dtype", "vocab_pruning", "keep_last_n"}
+
+
+def test_the_docs_key_table_is_the_schemas():
+    docs = (ROOT / "docs" / "config-keys.md").read_text()
+    table = docs[docs.index("| key | type |") :]
+    assert table == key_table(), "regenerate docs/config-keys.md's table (the command is in the file)"
+
+
+def test_each_key_is_declared_once():
+    names = [key.name for key in RECIPE_SCHEMA]
+    assert sorted(name for name in set(names) if names.count(name) > 1) == []
+    assert RECIPE_KEYS == {name for name in names if "." not in name}
+
+
+def _keys_read(path: Path) -> Set[str]:
+    """The top-level keys ``path`` reads from a ``cfg``: ``cfg.get("key", ...)``, ``cfg.key``, ``cfg["key"]``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cfg":
+            found.add(node.attr)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and owner.id == "cfg" and node.args:
+                if isinstance(node.args[0], ast.Constant):
+                    found.add(node.args[0].value)
+    return found - {"get", "pop", "items", "keys"}
+
+
+def test_every_key_the_recipe_reads_is_declared():
+    files = [path for pattern in READERS for path in sorted(ROOT.glob(pattern)) if path.name not in SECTION_READERS]
+    read = {key for path in files for key in _keys_read(path)}
+    assert "batch_size" in read or "dry_run" in read  # the scan finds what it looks for
+    assert sorted(read - RECIPE_KEYS) == []
+
+
+def test_defaults_agree_with_the_readers_constants():
+    defaults = {key.name: key.default for key in RECIPE_SCHEMA}
+    assert defaults["keep_last_n_checkpoints"] == DEFAULT_KEEP_LAST_N
+    assert defaults["memory_headroom"] == DEFAULT_HEADROOM
+    merge_base = next(key for key in RECIPE_SCHEMA if key.name == "merge_base")
+    assert [base for base in MERGE_BASES if merge_base.rule.test(base)] == list(MERGE_BASES)
+    assert not merge_base.rule.test("nf5")
+
+
+def _settings(*overrides: str, drop=()) -> RecipeSettings:
+    cfg = OmegaConf.merge(OmegaConf.load(TINY), OmegaConf.from_dotlist(list(overrides)))
+    for key in drop:
+        cfg.pop(key, None)
+    return RecipeSettings.from_config(cfg)
+
+
+def test_absent_keys_read_as_the_schemas_defaults():
+    fields = [f for f in RecipeSettings.__dataclass_fields__ if f not in _DERIVED and f not in ("dry_run",)]
+    keys = [_FIELD_KEYS.get(field, field) for field in fields]
+    top_level = [key for key in keys if "." not in key]
+    settings = _settings(drop=top_level)
+    defaults = {key.name: key.default for key in RECIPE_SCHEMA}
+    for field, key in zip(fields, keys):
+        if "." not in key:
+            assert getattr(settings, field) == defaults[key], key
+    assert _settings(drop=["keep_last_n_checkpoints"]).keep_last_n == defaults["keep_last_n_checkpoints"]
+
+
+@pytest.mark.parametrize(
+    "override, field, value",
+    [
+        ("epochs=3", "epochs", 3),
+        ("merge_base=original", "merge_base", "original"),
+        ("tokenizer.max_seq_len=32", "max_seq_len", 32),
+    ],
+)
+def test_settings_read_the_configs_values(override, field, value):
+    assert getattr(_settings(override), field) == value
+
+
+@pytest.mark.parametrize("override", ["epochs=0", "merge_base=nf5", "clip_grad_norm=-1", "tokenizer.max_seq_len=0"])
+def test_settings_and_the_start_up_check_refuse_a_value_alike(override):
+    cfg = OmegaConf.merge(OmegaConf.load(TINY), OmegaConf.from_dotlist([override]))
+    with pytest.raises(ConfigError) as checked:
+        check_config(cfg, dry_run=True)
+    with pytest.raises(ConfigError) as read:
+        RecipeSettings.from_config(cfg)
+    assert str(read.value) == str(checked.value)
+    assert str(read.value).startswith(override.split("=")[0] + "=")
+
+
+def test_the_merge_base_message_names_both_bases():
+    cfg = OmegaConf.merge(OmegaConf.load(TINY), OmegaConf.from_dotlist(["merge_base=nf5"]))
+    with pytest.raises(
+        ConfigError, match=re.escape("merge_base='nf5' is not supported; use merge_base=nf4 (merge onto")
+    ):
+        recipe_setting(cfg, "merge_base")
+
+
+def test_a_missing_required_key_says_so():
+    cfg = OmegaConf.load(TINY)
+    cfg.pop("device")
+    with pytest.raises(ConfigError, match="device is missing: the recipe needs it"):
+        recipe_setting(cfg, "device")
+
+
+def test_section_arguments_default_to_the_components_own():
+    assert {key.default for key in _SECTION_ARGUMENTS} <= {COMPONENTS_OWN, None}
+    assert REQUIRED not in {key.default for key in _SECTION_ARGUMENTS}
+    with pytest.raises(ValueError, match="read by the component itself"):
+        recipe_setting(OmegaConf.create({"model": {}}), "model.lora_rank")
