@@ -1,104 +1,177 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (the device tool lends 15 minutes of GPU time in all, machine start included): it
-# finishes in under 8 minutes (BUDGET seconds; every step has its own `timeout` and the steps stop at the budget), so
-# a second try fits. On this CPU machine first:
+# The one prepared GPU check. The device tool lends 15 minutes of GPU time in all, the machine's start (1-2 min)
+# included, so there is one try: the steps run most valuable first, and their time limits add up to under the
+# budget (BUDGET, 460 s: with the install, the whole run stays under 8 minutes). On this CPU machine first:
 #
-#   bash bench/gpu_wheels.sh      # ./gpu_wheels: the ~16 MB of wheels the GPU machine lacks, plus ours
+#   bash bench/gpu_wheels.sh      # ./gpu_wheels: the wheels the GPU machine lacks (torchtune, torchao, ...) + ours
 #   run(command="bash bench/gpu.sh", carry=["gpu_wheels"], timeout_s=540)
 #
-# There (Python 3.12 at python3, torch 2.11 CUDA, transformers/peft; no registry) it installs the wheels into
-# $SITE with `pip install --no-index --no-deps --target` and runs everything with that machine's python3; a generated
-# sitecustomize adds $SITE as a site dir, so the `.pth` start-up hook of torchtune_ext runs as in a pip install.
-# All output is teed into $OUT/gpu_bench.txt (the folder the device call returns).
+# There (Python 3.12 at python3, torch 2.11 CUDA, transformers/peft; no registry) it installs the wheels into $SITE
+# with `pip install --no-index --find-links gpu_wheels --no-deps --target` and runs everything with that machine's
+# python3; a generated sitecustomize adds $SITE as a site dir, so the `.pth` start-up hook of torchtune_ext runs as
+# in a pip install. The run reads and writes nothing of the clone's git-ignored folders (outputs/ never travels):
+# every checkpoint and output goes to $CACHE. `bash bench/gpu_rehearsal.sh` runs this same file on the CPU at tiny
+# sizes (SIZE=tiny DEVICE=cpu) in a target that holds only what the lent machine has plus the same wheels.
 #
-# Steps, most valuable first: the memory estimate (dry run's) against the measured peak (allocated and reserved) of
-# our recipe's step at 2048 tokens (fp32/bf16/fp16) and at 16384 with activation offloading and the tiled MLP; the
-# 1B-shaped QLoRA recipe, ours vs torchtune's (tokens/s, peak; seed 001's figure: fp32 ~20% above bf16); NF4
-# dequant and linear fwd+bwd vs torchao and dense; the tiny recipe vs torchtune's; the streamed 1B load; generation;
-# the 1.5B-shaped load onto the GPU against the read of its file (issue 25: right after the memory steps); last, the
-# compiled estimate against compiled steps.
+# Output: $OUT/gpu_bench.txt (the folder the device call returns), one file: every step's output (progress bars
+# left out), then a SUMMARY with each step's status and time, and the last lines of every failed step's log.
+#
+# Steps (limit in seconds at SIZE=full):
+#   1. memory, the T4 dtypes: estimate vs measured peak of our recipe's step on the Llama-3.2-1B-shaped config at
+#      2048 tokens, fp16 and fp32, with the fused AdamW the configs ship (fp16: the loss scaler's scale and skips) 90
+#   2. memory with activation offloading (+ tiled MLP) at 16384 tokens, fp16 and fp32                             75
+#   3-4. the 1B-shaped recipe end to end (`tune run`, fused AdamW), fp16 then fp32: loss, scale, tokens/s, peak     75
+#   5. the 1B-shaped load onto the GPU, ours vs torchtune's recipe set-up (time, GPU and host peak)              40
+#   6-7. the tiny default trained, then answering with its adapter (the generation recipe)                        35
+#   8. the tiny recipe, ours vs torchtune's lora_finetune_single_device (fp32, bf16)                              35
+#   9-10. NF4 dequantization and linear fwd+bwd, ours vs torchao vs dense                                          35
+#   11. compile=True: the compiled estimate vs measured (bf16, 2048)                                             40
+# Not here (no time left in one try): the 1.5B-shaped load against its file's read (bench/load_scaling.py --device
+# cuda), the 1B recipe against torchtune's, and bench/peers.py (bitsandbytes is not on that machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
-mkdir -p "$OUT"
-exec > >(tee "$OUT/gpu_bench.txt") 2>&1
-BUDGET=${BUDGET:-450}
-START=$SECONDS
+BUDGET=${BUDGET:-460}
+LIMIT_SCALE=${LIMIT_SCALE:-1}  # the rehearsal's CPU runs each step slower: every limit times this
+SIZE=${SIZE:-full}             # full (the GPU run) | tiny (the rehearsal)
+DEVICE=${DEVICE:-cuda}
 SITE=${SITE:-/tmp/gpu_site}
 CACHE=${CACHE:-/tmp/torchtune_ext_bench}
-STEPS=${STEPS:-20}
-mkdir -p "$CACHE"
+LOGS=${LOGS:-/tmp/gpu_logs}
+WHEELS=${WHEELS:-gpu_wheels}
+mkdir -p "$OUT" "$CACHE"
+rm -rf "$LOGS" && mkdir -p "$LOGS"
+
+if [ "$SIZE" = tiny ]; then
+  CONFIG=configs/tiny/qlora_single_device.yaml SEQ=64 LONG_SEQ=256 TRAIN_STEPS=4
+  NF4="--quick --shape 512x256 --dtypes bf16"
+  CKPT="$CACHE/random_qlora_tiny_llama"
+  DATA="batch_size=4 gradient_accumulation_steps=1 run_val_every_n_steps=null"
+else
+  CONFIG=configs/llama3_2/1B_qlora_single_device.yaml SEQ=2048 LONG_SEQ=16384 TRAIN_STEPS=12 NF4=--quick
+  CKPT="$CACHE/random_qlora_llama3_2_1b"
+  DATA="tokenizer._component_=torchtune_ext.data.tiny_tokenizer ~tokenizer.path tokenizer.max_seq_len=512
+        dataset._component_=torchtune_ext.data.tiny_instruct_dataset ~dataset.packed batch_size=8
+        gradient_accumulation_steps=1"
+fi
+LOG_TO_STDOUT="log_every_n_steps=1 metric_logger._component_=torchtune.training.metric_logging.StdoutLogger
+               ~metric_logger.log_dir"
+START=$SECONDS
+SUMMARY=()
+FAILED=()
 
 section() { echo; echo "=================== $* ($(date +%T), $((SECONDS - START)) s used of $BUDGET)"; }
-# step <max seconds> <command...>: runs it under `timeout`, cut to what is left of the budget; skipped when none is.
+# A step's log without progress bars (tqdm's carriage-return updates), its last 40 lines.
+show() { tr '\r' '\n' < "$1" | grep -vE 'it/s\]|s/it\]|^\s*$' | tail -n 40; }
+
+# step <name> <limit seconds> <command...>: runs it under `timeout` (the limit times LIMIT_SCALE, cut to what is left
+# of the budget; skipped when under 15 s are left), its output into $LOGS/<name>.log, shown here, its status kept for
+# the summary.
 step() {
-  local max=$1 left=$((BUDGET - (SECONDS - START)))
-  shift
-  if [ "$left" -lt 15 ]; then echo "SKIPPED (budget spent): $*"; return 0; fi
-  [ "$max" -gt "$left" ] && max=$left
-  timeout -k 5 "$max" "$@"
-  local rc=$?
-  [ $rc -eq 0 ] || echo "STEP FAILED rc=$rc (124: timed out after ${max}s): $*"
+  local name=$1 limit=$(($2 * LIMIT_SCALE)) left=$((BUDGET - (SECONDS - START))) began=$SECONDS rc
+  shift 2
+  section "$name"
+  if [ "$left" -lt 15 ]; then
+    echo "SKIPPED (budget spent): $*"
+    SUMMARY+=("SKIPPED  $name (budget spent)")
+    return 0
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "\$ $*"
+  timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  rc=$?
+  show "$LOGS/$name.log"
+  if [ "$rc" -eq 0 ]; then
+    SUMMARY+=("ok       $name ($((SECONDS - began)) s of $limit)")
+  else
+    local why="rc=$rc"
+    [ "$rc" -eq 124 ] && why="timed out after $limit s"
+    echo "STEP FAILED: $name ($why)"
+    SUMMARY+=("FAILED   $name ($why, $((SECONDS - began)) s)")
+    FAILED+=("$name")
+  fi
 }
 
-section "install the carried wheels into $SITE"
-if [ -d gpu_wheels ]; then
+summary() {
+  section "SUMMARY ($SIZE sizes on $DEVICE)"
+  printf '%s\n' "${SUMMARY[@]}"
+  local name
+  for name in "${FAILED[@]}"; do
+    echo
+    echo "--- last lines of $name:"
+    tr '\r' '\n' < "$LOGS/$name.log" | grep -v '^\s*$' | tail -n 20
+  done
+  echo "$((${#SUMMARY[@]} - ${#FAILED[@]})) ok or skipped, ${#FAILED[@]} failed; $((SECONDS - START)) s"
+}
+
+install_wheels() {
   rm -rf "$SITE" && mkdir -p "$SITE/_boot"
-  python3 -m pip install --quiet --no-index --no-deps --target "$SITE" gpu_wheels/*.whl ||
-    for whl in gpu_wheels/*.whl; do python3 -m zipfile -e "$whl" "$SITE"; done
+  python3 -m pip install --quiet --no-index --find-links "$WHEELS" --no-deps --no-compile --target "$SITE" \
+    "$WHEELS"/*.whl || return 1
   printf 'import site\nsite.addsitedir("%s")\n' "$SITE" > "$SITE/_boot/sitecustomize.py"
-  export PYTHONPATH="$SITE/_boot${PYTHONPATH:+:$PYTHONPATH}"
-  PY=${PY:-python3}
-else
-  PY=${PY:-.venv/bin/python}  # a machine with this project's venv
-fi
-TUNE="$PY -m torchtune._cli.tune"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-$PY -c "import torch, torchao, torchtune, torchtune_ext, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-'); print('torchao', torchao.__version__, 'torchtune', torchtune.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" ||
-  { echo "imports failed: nothing else can run"; exit 1; }
+}
 
-section "memory: estimate vs measured peak, our recipe's step, 1B-shaped, 2048 tokens (fp32, bf16, fp16)"
-step 110 $PY bench/gpu_memory.py --seq 2048 --steps 3 --settings fp32,bf16,fp16 --cache "$CACHE"
-section "memory: 16384 tokens with activation offloading + tiled MLP (bf16, fp32)"
-step 110 $PY bench/gpu_memory.py --seq 16384 --steps 2 --settings bf16+offload+tiled,fp32+offload+tiled --cache "$CACHE"
-section "Qwen2.5-1.5B-shaped load onto the GPU: load / read of its file (issue 25's 1.5x; writes 3.1 GB once)"
-step 90 $PY bench/load_scaling.py --device cuda --skip-small --cache "$CACHE/load_scaling"
+check_imports() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "nvidia-smi: none"
+  PYTHONSAFEPATH=1 $PY -c "import torch, torchao, torchtune, torchtune_ext, transformers, peft, omegaconf
+print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-')
+print('torchao', torchao.__version__, 'torchtune', torchtune.__version__, 'omegaconf', omegaconf.__version__,
+      'transformers', transformers.__version__, 'peft', peft.__version__)
+print('torchtune_ext from', torchtune_ext.__file__)"
+}
 
-CKPT="$CACHE/random_qlora_llama3_2_1b"  # written by bench/gpu_memory.py above
-DATA="tokenizer._component_=torchtune_ext.data.tiny_tokenizer ~tokenizer.path tokenizer.max_seq_len=512
-      dataset._component_=torchtune_ext.data.tiny_instruct_dataset ~dataset.packed batch_size=8
-      gradient_accumulation_steps=1 epochs=1 max_steps_per_epoch=$STEPS log_every_n_steps=1
-      metric_logger._component_=torchtune.training.metric_logging.StdoutLogger ~metric_logger.log_dir"
-metrics() { tr '\r' '\n' | grep -E "^Step|Error|error|peak|tokens" | tail -4; }
-for dtype in bf16 fp32 fp16; do
-  section "1B-shaped QLoRA recipe, ours, dtype=$dtype ($STEPS steps, batch 8 x <=512 tokens)"
-  step 50 $TUNE run recipes/qlora_finetune_single_device.py --config configs/llama3_2/1B_qlora_single_device.yaml \
-    checkpointer.checkpoint_dir="$CKPT" checkpointer.checkpoint_files=[model.safetensors] \
-    output_dir="$CACHE/ours_1b_$dtype" dtype=$dtype device=cuda $DATA > "$OUT/ours_1b_$dtype.log" 2>&1
-  metrics < "$OUT/ours_1b_$dtype.log"
-done
-for dtype in bf16 fp32; do  # torchtune's recipe rejects fp16
-  section "1B-shaped QLoRA, torchtune's lora_finetune_single_device, dtype=$dtype"
-  step 50 $TUNE run lora_finetune_single_device --config llama3_2/1B_qlora_single_device \
-    checkpointer.checkpoint_dir="$CKPT" checkpointer.checkpoint_files=[model.safetensors] \
-    output_dir="$CACHE/torchtune_1b_$dtype" dtype=$dtype device=cuda $DATA > "$OUT/torchtune_1b_$dtype.log" 2>&1
-  metrics < "$OUT/torchtune_1b_$dtype.log"
-done
+# tune_run <name> <limit> <recipe> <config> <overrides...>: `tune run` on $DEVICE. PYTHONSAFEPATH: the clone's
+# torchtune_ext/ in the working directory must not shadow the installed wheel (it lacks torchtune_ext.configs).
+tune_run() {
+  local name=$1 limit=$2 recipe=$3 config=$4
+  shift 4
+  step "$name" "$limit" env PYTHONSAFEPATH=1 $PY -m torchtune._cli.tune run "$recipe" --config "$config" \
+    device="$DEVICE" "$@"
+}
 
-section "peers: our step and generation vs PEFT + bitsandbytes NF4 and PEFT LoRA (SmolLM2-135M), ratios"
-step 150 $PY bench/peers.py --device cuda --shapes 135m --steps 8 --repeats 1 --prompts 8 --new-tokens 16 --cache "$CACHE"
-section "NF4 dequant/quantize and linear fwd+bwd (ours vs torchao vs dense)"
-step 40 $PY bench/nf4_dequant.py --device cuda --quick
-step 50 $PY bench/nf4_linear.py --device cuda --quick
-section "tiny recipe: ours vs torchtune (fp32, bf16)"
-step 60 $PY bench/recipe.py --device cuda --dtypes fp32,bf16 --steps 40 --repeats 1
-if [ -f configs/tiny/generation.yaml ]; then
-  section "generation: the tiny model as it trained (NF4 + adapter), tokens/s"
-  step 40 $TUNE run recipes/generate.py --config configs/tiny/generation.yaml device=cuda
-fi
-section "1B-shaped streamed load: ours vs torchtune (bf16; writes its own checkpoint)"
-step 90 $PY bench/load.py --dtypes bf16 --cache "$CACHE"
-section "memory: compile=True, the compiled estimate vs measured (bf16 2048; fp16 16384 with offloading)"
-step 120 $PY bench/gpu_memory.py --seq 2048 --steps 3 --settings bf16+compile --cache "$CACHE"
-step 120 $PY bench/gpu_memory.py --seq 16384 --steps 2 --settings fp16+offload+compile --cache "$CACHE"
-section "done"
+main() {
+  if [ -d "$WHEELS" ]; then
+    export SITE WHEELS
+    step install_wheels 20 bash -c "$(declare -f install_wheels); install_wheels"
+    export PYTHONPATH="$SITE/_boot${PYTHONPATH:+:$PYTHONPATH}"
+    PY=${PY:-python3}
+  else
+    PY=${PY:-.venv/bin/python} # a machine with this project's venv
+  fi
+  export PY
+  step imports 20 bash -c "$(declare -f check_imports); check_imports"
+  if [ ${#FAILED[@]} -gt 0 ]; then
+    echo "the set-up failed: nothing else can run"
+    return
+  fi
+  local memory="$PY bench/gpu_memory.py --config $CONFIG --cache $CACHE --device $DEVICE"
+  step memory_t4_dtypes 90 $memory --seq $SEQ --steps 3 --settings fp16,fp32
+  step memory_offload 70 $memory --seq $LONG_SEQ --steps 2 --settings fp16+offload+tiled,fp32+offload+tiled
+  local dtype
+  for dtype in fp16 fp32; do # $CKPT: the random checkpoint bench/gpu_memory.py wrote
+    tune_run "recipe_$dtype" 38 recipes/qlora_finetune_single_device.py "$CONFIG" checkpointer.checkpoint_dir="$CKPT" \
+      checkpointer.checkpoint_files=[model.safetensors] output_dir="$CACHE/recipe_$dtype" dtype=$dtype epochs=1 \
+      max_steps_per_epoch=$TRAIN_STEPS $DATA $LOG_TO_STDOUT
+  done
+  local model=1b
+  [ "$SIZE" = tiny ] && model=tiny
+  step load 40 $PY bench/load.py --model $model --device "$DEVICE" --dtypes bf16 --cache "$CACHE"
+  tune_run tiny_train 20 recipes/qlora_finetune_single_device.py configs/tiny/qlora_single_device.yaml \
+    checkpointer.checkpoint_dir="$CACHE/tiny_base" output_dir="$CACHE/tiny_qlora" overwrite_output_dir=True \
+    epochs=1 max_steps_per_epoch=20 run_val_every_n_steps=null
+  tune_run generation 15 recipes/generate.py configs/tiny/generation.yaml \
+    checkpointer.checkpoint_dir="$CACHE/tiny_base" adapter_dir="$CACHE/tiny_qlora/step_20/adapter" \
+    output_dir="$CACHE/tiny_generation"
+  step recipe_vs_torchtune 30 $PY bench/recipe.py --device "$DEVICE" --dtypes fp32,bf16 --steps 20 --repeats 1 \
+    --base "$CACHE/tiny_base"
+  step nf4_dequant 15 $PY bench/nf4_dequant.py --device "$DEVICE" $NF4
+  step nf4_linear 20 $PY bench/nf4_linear.py --device "$DEVICE" $NF4
+  step memory_compile 35 $memory --seq $SEQ --steps 3 --settings bf16+compile
+}
+
+# One subshell for both (the summary reads main's arrays); the pipeline waits for tee, so the file is complete.
+{
+  main
+  summary
+} 2>&1 | tee "$OUT/gpu_bench.txt"

@@ -8,7 +8,10 @@ the recipe's own set-up; each measured step is the recipe's ``forward_backward``
 
     python bench/gpu_memory.py --config configs/llama3_2/1B_qlora_single_device.yaml --seq 2048 --steps 3
 
-On a machine without CUDA it runs the same code on the CPU and prints the estimate only (a check of the script).
+Each measured row also prints the per-token loss of the first and last step, the last grad norm, the optimizer's
+``fused`` / ``foreach`` settings (the configs ship ``fused: True``) and, in fp16, the loss scale and skipped steps.
+On a machine without CUDA it prints the estimates only; ``--device cpu`` also runs the steps there (a check of the
+script at tiny sizes, e.g. ``--config configs/tiny/qlora_single_device.yaml --seq 64``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -28,6 +31,8 @@ SETTINGS = {
     "fp16": ["dtype=fp16"],
     "fp32": ["dtype=fp32"],
     "bf16+offload+tiled": ["dtype=bf16", "enable_activation_offloading=True", "tiled_mlp_tokens=4096"],
+    "fp16+offload": ["dtype=fp16", "enable_activation_offloading=True"],
+    "fp16+offload+tiled": ["dtype=fp16", "enable_activation_offloading=True", "tiled_mlp_tokens=4096"],
     "fp32+offload+tiled": ["dtype=fp32", "enable_activation_offloading=True", "tiled_mlp_tokens=4096"],
     "bf16+compile": ["dtype=bf16", "compile=True"],
     "fp16+offload+compile": ["dtype=fp16", "enable_activation_offloading=True", "compile=True"],
@@ -84,23 +89,49 @@ def _checkpoint(cfg, cache: Path) -> Path:
     return path
 
 
-def _measure(recipe, cfg, batch: int, seq: int, steps: int) -> tuple:
+def _measure(recipe, cfg, batch: int, seq: int, steps: int) -> dict:
+    """Runs ``steps`` training steps; returns the peak allocated / reserved bytes (CUDA only), seconds per step,
+    the per-token losses, the last step's metrics (fp16: loss scale and skipped steps) and the optimizer's
+    ``fused`` / ``foreach`` settings."""
     device = recipe.settings.device
     recipe.setup(cfg)
     vocab = recipe._model.tok_embeddings.num_embeddings
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
+    losses, metrics = [], {}
     start = time.perf_counter()
     for _ in range(steps):
         tokens = torch.randint(0, vocab, (batch, seq), device=device)
-        _, batch_tokens = recipe.forward_backward({"tokens": tokens, "labels": tokens.clone()})
-        recipe.optimizer_step(batch_tokens)
-    if device.type != "cuda":
-        return None, None, (time.perf_counter() - start) / steps
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / steps
-    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device), seconds
+        loss, batch_tokens = recipe.forward_backward({"tokens": tokens, "labels": tokens.clone()})
+        metrics, _ = recipe.optimizer_step(batch_tokens)
+        losses.append(float(loss) / float(batch_tokens))
+    result = {"losses": losses, "metrics": metrics, "optimizer": dict(recipe._optimizer.defaults)}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        result.update(
+            allocated=torch.cuda.max_memory_allocated(device), reserved=torch.cuda.max_memory_reserved(device)
+        )
+    result["seconds"] = (time.perf_counter() - start) / steps
+    return result
+
+
+def _row(name: str, estimate_bytes: int, measured: Optional[dict]) -> str:
+    line = f"{name:<22} {estimate_bytes / GIB:9.2f}G "
+    if measured is None:
+        return line + f"{'-':>10} {'-':>9}"
+    if "allocated" in measured:
+        allocated, reserved = measured["allocated"], measured["reserved"]
+        line += f"{allocated / GIB:9.2f}G {estimate_bytes / allocated:9.3f} {reserved / GIB:9.2f}G "
+    else:
+        line += f"{'-':>10} {'-':>9} {'-':>10} "
+    optimizer = measured["optimizer"]
+    scaler = measured["metrics"]
+    fp16 = f" loss_scale={scaler['loss_scale']:g} skipped={scaler['skipped_steps']}" if "loss_scale" in scaler else ""
+    return (
+        line + f"{measured['seconds']:8.2f}  loss {measured['losses'][0]:.3f} -> {measured['losses'][-1]:.3f} "
+        f"grad_norm={scaler['grad_norm']:.3g} fused={optimizer.get('fused')} foreach={optimizer.get('foreach')}{fp16}"
+    )
 
 
 def main() -> None:
@@ -111,11 +142,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--cache", default="/tmp/torchtune_ext_bench")
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="default: cuda if available, else the estimates alone; cpu: also runs the steps on the CPU (no "
+        "memory figures: a check of the script at tiny sizes)",
+    )
     args = parser.parse_args()
 
     from torchtune_ext.training import QLoRARecipe
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     print(f"command: python bench/gpu_memory.py --config {args.config} --seq {args.seq} --batch {args.batch}")
@@ -130,22 +168,15 @@ def main() -> None:
             estimate_cfg.device = "cuda"  # what the estimate is for; it needs no GPU
         estimate = QLoRARecipe(estimate_cfg).memory_estimator(estimate_cfg).estimate(args.batch, args.seq)
         checkpoint = checkpoint or _checkpoint(estimate_cfg, cache)
-        measured = reserved = seconds = None
-        if device == "cuda":
+        measured = None
+        if device == "cuda" or (args.device == "cpu" and "offload" not in name):
             cfg = _cfg(
                 Path(args.config), checkpoint, cache / f"out_{name}", args.seq, args.batch, device, SETTINGS[name]
             )
-            measured, reserved, seconds = _measure(QLoRARecipe(cfg), cfg, args.batch, args.seq, args.steps)
-            torch.cuda.empty_cache()
-        ratio = f"{estimate.peak_bytes / measured:9.3f}" if measured else f"{'-':>9}"
-        print(
-            f"{name:<22} {estimate.peak_bytes / GIB:9.2f}G "
-            + (
-                f"{measured / GIB:9.2f}G {ratio} {reserved / GIB:9.2f}G {seconds:8.2f}"
-                if measured
-                else f"{'-':>10} {ratio}"
-            )
-        )
+            measured = _measure(QLoRARecipe(cfg), cfg, args.batch, args.seq, args.steps)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        print(_row(name, estimate.peak_bytes, measured), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import argparse
 import datetime
 import os
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 from _timing import best_seconds, machine, sync
@@ -94,9 +94,15 @@ def _print_table(rows: List[Dict]) -> None:
         )
 
 
+def _shape(text: str) -> Tuple[int, int]:
+    out_dim, _, in_dim = text.partition("x")
+    return int(out_dim), int(in_dim)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="only 4096x4096, 3 reps")
+    parser.add_argument("--shape", type=_shape, default=None, help="OUTxIN: this weight shape alone")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
     parser.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma-separated subset of fp32,bf16,fp16")
     parser.add_argument("--reps", type=int, default=5, help="minimum timed repetitions")
@@ -114,7 +120,7 @@ def main() -> None:
         f"{datetime.datetime.now().isoformat(timespec='seconds')}; load average {load:.2f}"
     )
     rows = []
-    for out_dim, in_dim in SHAPES[:1] if args.quick else SHAPES:
+    for out_dim, in_dim in [args.shape] if args.shape else SHAPES[:1] if args.quick else SHAPES:
         for dtype in (DTYPES[d] for d in args.dtypes.split(",")):
             rows += _run_case(out_dim, in_dim, dtype, device, args)
             print(".", end="", flush=True)

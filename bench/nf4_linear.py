@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -123,9 +123,15 @@ def _print_table(rows: List[Dict], device: torch.device) -> None:
         print(line)
 
 
+def _shape(text: str) -> Tuple[int, int]:
+    out_dim, _, in_dim = text.partition("x")
+    return int(out_dim), int(in_dim)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="only 4096x4096 at 512 tokens, 3 reps")
+    parser.add_argument("--shape", type=_shape, default=None, help="OUTxIN: this weight shape alone")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
     parser.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma-separated subset of fp32,bf16,fp16")
     parser.add_argument("--reps", type=int, default=5, help="minimum timed repetitions per op")
@@ -136,6 +142,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     shapes, tokens = (SHAPES[:1], TOKENS[:1]) if args.quick else (SHAPES, TOKENS)
+    shapes = [args.shape] if args.shape else shapes
     if args.quick:
         args.reps, args.min_time = 3, 0.0
     dtypes = [DTYPES[d] for d in args.dtypes.split(",")]

@@ -46,7 +46,7 @@ MODELS = {
 }
 
 sys.path.insert(0, str(ROOT / "bench"))
-from load import ensure_checkpoint, write_notes_section  # noqa: E402
+from load import ensure_checkpoint, worker_env, write_notes_section  # noqa: E402
 
 
 class _Capture:
@@ -151,7 +151,6 @@ def worker(
 def _run_worker(
     which: str, model: str, dtype: str, device: str, steps: int, base: Path, ours: List[str]
 ) -> Dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [
         sys.executable,
         __file__,
@@ -169,7 +168,7 @@ def _run_worker(
         str(base),
         *[f"--ours={item}" for item in ours],
     ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    result = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{which} {dtype} failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
