@@ -14,6 +14,8 @@ SINGLE_DEVICE_RECIPE = "qlora_finetune_single_device"
 DISTRIBUTED_RECIPE = "qlora_finetune_distributed"
 GENERATION_RECIPE = "generate"  # configs named *generation
 EVAL_RECIPE = "eleuther_eval"  # configs named *eleuther_eval
+#: recipe names whose file is a thin entry point -> the recipe whose file holds the code (``tune-ext cp`` copies it)
+_ENTRY_POINTS = {DISTRIBUTED_RECIPE: SINGLE_DEVICE_RECIPE}
 
 
 def recipe_files() -> Dict[str, Path]:
@@ -23,6 +25,19 @@ def recipe_files() -> Dict[str, Path]:
     """
     folder = Path(str(resources.files("torchtune_ext.recipes")))
     return {path.stem: path for path in sorted(folder.glob("*.py")) if path.stem != "__init__"}
+
+
+def recipe_file_to_copy(name: str) -> Path:
+    """The file a copy of recipe ``name`` starts from: the recipe's own, or where its file is a thin entry point (the
+    distributed name), the file that holds the recipe for any world size.
+
+    Args:
+        name (str): a recipe name from :func:`recipe_files`.
+
+    Returns:
+        Path: the installed file.
+    """
+    return recipe_files()[_ENTRY_POINTS.get(name, name)]
 
 
 def config_files() -> Dict[str, Path]:

@@ -6,7 +6,7 @@ package, so that a plain ``pip install`` (no clone) runs them by name::
     tune-ext run qlora_finetune_single_device --config llama3_2/1B_qlora_single_device dtype=fp32
     tune-ext run --nproc_per_node 2 qlora_finetune_distributed --config tiny/qlora_distributed
     tune-ext cp llama3_2/1B_qlora_single_device my_config.yaml   # then: tune-ext run <recipe> --config my_config.yaml
-    tune-ext cp qlora_finetune_single_device my_recipe.py        # edit its step; then: tune run my_recipe.py --config
+    tune-ext cp qlora_finetune_single_device my_recipe.py        # edit its loop; then: tune run my_recipe.py --config
     tune-ext validate --config llama3_2/1B_qlora_single_device dtype=fp32   # the recipe's start-up checks, no weights
     tune-ext cat tiny/qlora_single_device                        # print a shipped config
 
@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 from torchtune._cli.run import Run
 
 from torchtune_ext import _use_cli
-from torchtune_ext._shipped import config_files, recipe_files, recipe_of
+from torchtune_ext._shipped import config_files, recipe_file_to_copy, recipe_files, recipe_of
 from torchtune_ext.config import exit_on_config_error
 from torchtune_ext.export import add_export_subcommand
 
@@ -53,18 +53,17 @@ def _ls(args: argparse.Namespace) -> None:
 
 #: printed after copying a recipe (``docs/hacking.md`` says more).
 _HACK_HINT = """\
-The step is three methods of the recipe class, each calling the library's version (torchtune_ext.training.QLoRARecipe,
-which holds the setup and the loop that both recipes share); override them in {recipe}:
-  loss_step(batch)             forward and loss (the objective: add a regulariser here)
-  forward_backward(batch)      one micro-batch: weighted loss, fp16 scaling, backward
-  optimizer_step(num_tokens)   the update: normalise, unscale, clip, step, zero the gradients
-Run it with: tune run {recipe} --config <config.yaml>   (see docs/hacking.md)"""
+{recipe} is the whole recipe, for any world size: setup() in order, the step (loss_step: forward and loss;
+forward_backward: one micro-batch's backward; optimizer_step: unscale, clip, step) and the loop, train().
+Edit it there; the pieces it calls are in torchtune_ext.training. Run it on one device or on N:
+  tune run {recipe} --config <config.yaml>
+  tune run --nproc_per_node N {recipe} --config <config.yaml>   (see docs/hacking.md)"""
 
 
 def _cp(args: argparse.Namespace) -> None:
     recipes, configs = recipe_files(), config_files()
     key = args.file[: -len(".yaml")] if args.file.endswith(".yaml") else args.file
-    source = recipes.get(key) or configs.get(key)
+    source = recipe_file_to_copy(key) if key in recipes else configs.get(key)
     if source is None:
         raise SystemExit(f"tune-ext: {args.file!r} is not a recipe or config of `tune-ext ls`.")
     destination = Path(args.destination)

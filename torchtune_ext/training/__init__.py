@@ -1,5 +1,6 @@
-"""Training: the QLoRA recipe both recipes run (setup, loop, checkpoints, resume, summary), compute dtypes and fp16
-loss scaling, interrupts that save, memory and throughput metrics, and the config settings the recipes read."""
+"""Training: what the recipe file (``recipes/qlora_finetune_single_device.py``, for any world size) builds on and
+calls: the setup pieces, the step's pieces, checkpoints, resume and the summary (:class:`QLoRARecipe`), compute dtypes
+and fp16 loss scaling, interrupts that save, memory and throughput metrics, and the config settings it reads."""
 
 from torchtune_ext._dtype import DTYPES, is_bf16_supported, parse_dtype
 
@@ -8,10 +9,11 @@ from torchtune_ext.distributed import get_full_state_dict
 from torchtune_ext.training._activations import activation_offloading, check_activation_offloading
 from torchtune_ext.training._allocator import EXPANDABLE_SEGMENTS, use_expandable_segments
 from torchtune_ext.training._builders import build_dataset, build_qlora_model, build_tokenizer
-from torchtune_ext.training._data import shifted_labels
+from torchtune_ext.training._data import pad_batch_, shifted_labels
 from torchtune_ext.training._dry_run import RECIPE_ALLOWANCE
 from torchtune_ext.training._export import check_run_folders, export_merged, merge_command
 from torchtune_ext.training._interrupt import InterruptGuard, resume_command
+from torchtune_ext.training._loss import token_mean_loss
 from torchtune_ext.training._metrics import (
     MemoryPeaks,
     Throughput,
@@ -37,6 +39,8 @@ from torchtune_ext.training._settings import (
     frozen_weights_dtype,
     positive_int,
 )
+from torchtune_ext.training._setup import launched_world_size_and_rank
+from torchtune_ext.training._summary import progress_note
 
 __all__ = [
     "DTYPES",
@@ -66,16 +70,20 @@ __all__ = [
     "gather_memory_stats",
     "get_full_state_dict",
     "is_bf16_supported",
+    "launched_world_size_and_rank",
     "memory_stats",
     "merge_command",
+    "pad_batch_",
     "parse_dtype",
     "peak_rss_bytes",
     "positive_int",
+    "progress_note",
     "resume_command",
     "rng_state",
     "rss_bytes",
     "set_rng_state",
     "shifted_labels",
+    "token_mean_loss",
     "EXPANDABLE_SEGMENTS",
     "MemoryPeaks",
     "use_expandable_segments",

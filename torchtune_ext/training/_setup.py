@@ -1,25 +1,29 @@
-"""Setting a QLoRA run up, whatever the number of ranks: the first half of :class:`QLoRARecipe`.
+"""Setting a QLoRA run up, whatever the number of ranks: the setup pieces the recipe file's ``setup`` calls in order.
 
-:class:`RecipeSetup` reads the settings (``__init__``) and builds everything the loop needs (:meth:`RecipeSetup.setup`),
-in this order; nothing is written before step 4:
+:class:`RecipeSetup` reads the settings (``__init__``: the world size from the launcher, or one device without one)
+and builds what the loop needs; the recipe file's ``setup`` calls these pieces in this order, and nothing is written
+before step 4:
     1. seed; settings and every config check that is cheap (:class:`RecipeSettings`, in ``__init__``)
     2. the model on the meta device, checked against the checkpoint's headers; tokenizer, loss, data sets
     3. data checks (labels within ``max_seq_len``, enough batches), vocab-pruning ids, the resumed recipe state
        (steps 2-3, with the writable-folder and ``output_dir`` checks: :meth:`RecipeSetup.check_start`, which
        ``tune-ext validate`` runs too)
-    4. stale temporaries of killed writes removed, metric logger opened
-    5. the model: vocab pruning (meta), trainable params, activation checkpointing, compile, sharding, the base
-       streamed in and quantized (``load_base_``), adapters initialised or resumed (``init_adapters_``)
-    6. optimizer (resumed), loss scaler, data loaders (resumed position), LR schedule
+    4. stale temporaries of killed writes removed, metric logger opened (:meth:`RecipeSetup._start_writing`)
+    5. the model (:meth:`RecipeSetup._load_model`): vocab pruning (meta), trainable params, activation
+       checkpointing, compile, FSDP2 sharding on several ranks, the base streamed in and quantized
+       (``load_base_``), adapters initialised or resumed (``init_adapters_``)
+    6. optimizer (resumed), loss, data loaders (resumed position), LR schedule
 
-Every library call works on one rank and on many; the distributed recipe overrides :meth:`RecipeSetup._parallelize`
-(FSDP2), :attr:`RecipeSetup._sharded_device` and :meth:`RecipeSetup._setup_loss`.
+Every piece works on one rank and on many: on several ranks the model is sharded per decoder layer
+(:meth:`RecipeSetup._parallelize`), batches are per rank and the loss scaler agrees on overflows across ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
+from dataclasses import replace
 from functools import partial
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
@@ -46,10 +50,14 @@ from torchtune_ext.checkpoint import (  # output-dir checks; bounded disk
 )
 from torchtune_ext.config import check_config, instantiate_component
 from torchtune_ext.distributed import (
+    check_fsdp_cpu_offload,
     check_nf4_sharding,
+    launched_world_size,
     load_full_optimizer_state,
     optimizer_param_groups,
+    per_rank_batch_size,
     replicated_params,
+    shard_model,
     unwrap_key,
 )
 from torchtune_ext.models import check_adapter_state, init_adapters_
@@ -70,32 +78,53 @@ from torchtune_ext.training._builders import build_dataset, build_optimizer, bui
 from torchtune_ext.training._checkpointing import disk_plan
 from torchtune_ext.training._data import build_data_loader, check_data
 from torchtune_ext.training._export import check_run_folders
-from torchtune_ext.training._interrupt import InterruptGuard, continued_metric_logger
+from torchtune_ext.training._interrupt import continued_metric_logger
 from torchtune_ext.training._metrics import MemoryPeaks, format_memory_stats, gather_memory_stats
 from torchtune_ext.training._nonfinite import NonFiniteGuard, check_base_finite
 from torchtune_ext.training._precision import DistributedLossScaler, LossScaler, check_param_dtypes
 from torchtune_ext.training._rng import seed_everything
-from torchtune_ext.training._settings import LoRASettings, RecipeSettings, dtype_or_checkpoints, frozen_weights_dtype
+from torchtune_ext.training._settings import (
+    LoRASettings,
+    RecipeSettings,
+    dtype_or_checkpoints,
+    frozen_weights_dtype,
+    positive_int,
+)
 from torchtune_ext.training._validation import ValidationHistory
 
 log = utils.get_logger("INFO")
 
 
+def launched_world_size_and_rank() -> Tuple[int, int]:
+    """The world size and rank a distributed launcher (torchrun, ``tune run --nproc_per_node``) set, or one device.
+
+    Returns:
+        Tuple[int, int]: ``(WORLD_SIZE, RANK)`` under a launcher, else ``(1, 0)``.
+
+    Raises:
+        RuntimeError: if the launcher's variables are set only in part.
+    """
+    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+        return 1, 0
+    return launched_world_size(), int(os.environ["RANK"])
+
+
 class RecipeSetup(FTRecipeInterface):
-    """The setup of :class:`torchtune_ext.training.QLoRARecipe`, in the order of the module docstring (its
-    training loop, step, saves and end are in ``_recipe.py``).
+    """The setup pieces of a QLoRA recipe, in the order of the module docstring; the recipe file's class builds on
+    them (through :class:`torchtune_ext.training.QLoRARecipe`) and calls them from its ``setup``.
 
     Args:
         cfg (DictConfig): the parsed config.
 
     Raises:
-        ValueError: on an unknown dtype or invalid settings (every cheap check runs here).
+        ValueError: on an unknown dtype or invalid settings (every cheap check runs here), ``fsdp_cpu_offload``
+            on the CPU or on one rank, or a ``global_batch_size`` that does not split over the ranks.
         RuntimeError: on bf16 where the device does not support it.
     """
 
     # ------------------------------------------------------------------------------------- the recipe's attributes
-    world_size: int = 1
-    rank: int = 0
+    world_size: int  # the launcher's, or 1 without one
+    rank: int
     settings: RecipeSettings  # the config's settings, read and checked once (``__init__``)
     max_steps_per_epoch: Optional[int]  # the setting's, or on resume the saved run's
     # components (``_build_components``)
@@ -127,11 +156,19 @@ class RecipeSetup(FTRecipeInterface):
     loss_history: List[float]
 
     def __init__(self, cfg: DictConfig) -> None:
+        self.world_size, self.rank = launched_world_size_and_rank()
         dry_run = bool(cfg.get("dry_run", False))  # estimates for the configured device, which need not be here
         check_config(cfg, dry_run=dry_run)  # keys, ranges, device, files: before anything is done
         if not dry_run:  # before anything is allocated on the device; the user's own allocator settings are kept
             use_expandable_segments(torch.device(str(cfg.device)))
         self.settings = RecipeSettings.from_config(cfg)
+        global_batch_size = positive_int(cfg, "global_batch_size", None)
+        batch_size = per_rank_batch_size(self.settings.batch_size, global_batch_size, self.world_size)
+        self.settings = replace(self.settings, batch_size=batch_size)  # per rank
+        self._fsdp_cpu_offload = bool(cfg.get("fsdp_cpu_offload", False))
+        check_fsdp_cpu_offload(self._fsdp_cpu_offload, self.settings.device, self.world_size)
+        self._reshard_after_forward = bool(cfg.get("fsdp_reshard_after_forward", True))
+        self.process_group_timeout_s = float(cfg.get("process_group_timeout_s", 1800))
         self._memory_peaks = MemoryPeaks(self.settings.device)  # logged per window, the run's in the summary
         self.max_steps_per_epoch = self.settings.max_steps_per_epoch  # a resume keeps the saved run's
         self._activation_offloading: ContextManager = contextlib.nullcontext()
@@ -156,43 +193,33 @@ class RecipeSetup(FTRecipeInterface):
 
     # ---------------------------------------------------------------------------------------------------- setup
 
-    def setup(self, cfg: DictConfig) -> None:
-        """Builds everything in the order of the module docstring; nothing is written under ``output_dir`` before
-        the config, the data and the resumed state have been checked. A resumed run that had finished stops after
-        saying so (:attr:`finished`), before the base weights load. SIGINT/SIGTERM stop it at once (exit 128 +
-        signal, nothing trained or saved). Collective on several ranks."""
-        with InterruptGuard(save=False):  # a signal while setting up stops the run at once
-            dataset, val_dataset, state = self.check_start(cfg)
-            if self.finished:
-                return
+    def _setup_loss_scaler(self, cfg: DictConfig) -> None:
+        """The loss scaler (dynamic loss scaling in fp16, its overflow agreed across ranks; a no-op otherwise) and
+        the non-finite guard that watches it."""
+        loss_scaler = DistributedLossScaler if self.world_size > 1 else LossScaler
+        self._loss_scaler = loss_scaler(
+            enabled=self.settings.dtype == torch.float16, device=self.settings.device, **cfg.get("loss_scaler", {})
+        )
+        self._guard = NonFiniteGuard(self._loss_scaler, self.settings.clip_grad_norm)
 
-            loss_scaler = DistributedLossScaler if self.world_size > 1 else LossScaler
-            self._loss_scaler = loss_scaler(
-                enabled=self.settings.dtype == torch.float16, device=self.settings.device, **cfg.get("loss_scaler", {})
-            )
-            self._guard = NonFiniteGuard(self._loss_scaler, self.settings.clip_grad_norm)
+    def _log_disk_plan(self, num_samples: int) -> None:
+        """Logs the disk the run's checkpoints will take, and whether the folder has room."""
+        disk = disk_plan(
+            self.settings,
+            self.world_size,
+            self.max_steps_per_epoch,
+            self._model,
+            self._checkpointer.output_dir,
+            num_samples,
+            self._merged_dtype,
+        )
+        self._info(disk.format())
 
-            # From here on, outputs are written.
-            self._start_writing(cfg)
-            self._save_scanned_kept_ids(dataset, val_dataset)  # a resume reuses the kept-id pass
-            disk = disk_plan(
-                self.settings,
-                self.world_size,
-                self.max_steps_per_epoch,
-                self._model,
-                self._checkpointer.output_dir,
-                len(dataset),
-                self._merged_dtype,
-            )
-            self._info(disk.format())
-
-            self._load_model(state)
-            # One param group per kind of param (sharded or not, device, dtype): fused and foreach AdamW need it.
-            groups = optimizer_param_groups(self._trainable_params)
-            self._optimizer = instantiate_component(cfg.optimizer, "optimizer", groups)
-            self._setup_loss()
-            self._setup_dataloaders(cfg, dataset, val_dataset)
-            self._setup_schedule(cfg, state)
+    def _setup_optimizer(self, cfg: DictConfig) -> None:
+        """The optimizer over the trainable params, one param group per kind of param (sharded or not, device,
+        dtype): fused and foreach AdamW need it. Its resumed state is loaded with the schedule."""
+        groups = optimizer_param_groups(self._trainable_params)
+        self._optimizer = instantiate_component(cfg.optimizer, "optimizer", groups)
 
     def check_start(self, cfg: DictConfig) -> Tuple[Any, Optional[Any], Optional[RecipeState]]:
         """Steps 2-3 of the module docstring: every check before the run writes anything (``tune-ext validate`` runs
@@ -426,12 +453,25 @@ class RecipeSetup(FTRecipeInterface):
     _device_mesh: Optional[DeviceMesh] = None
 
     def _parallelize(self) -> None:
-        """Shards the model (the distributed recipe) over :attr:`_device_mesh`; one rank keeps it whole."""
+        """On several ranks, FSDP2 per decoder layer over :attr:`_device_mesh` in the compute dtype (fp32 gradient
+        reduction), the vocab-pruning module sharded on its own in fp32 or replicated; one rank keeps it whole."""
+        if self.world_size == 1:
+            return
+        pruning_cfg = self.settings.vocab_pruning
+        shard_model(
+            self._model,
+            dtype=self.settings.dtype,
+            vocab_pruning=self._pruning,
+            vocab_pruning_sharding=pruning_cfg["sharding"] if pruning_cfg is not None else "sharded",
+            reshard_after_forward=self._reshard_after_forward,
+            cpu_offload=self._fsdp_cpu_offload,
+            mesh=self._device_mesh,
+        )
 
     @property
     def _sharded_device(self) -> Optional[torch.device]:
         """Where sharded params live (the host under FSDP CPU offload); None: the training device."""
-        return None
+        return torch.device("cpu") if self._fsdp_cpu_offload else None
 
     def _setup_loss(self) -> None:
         """``LinearCrossEntropyLoss`` takes over the output projection (the model returns hidden states); torchtune's
@@ -443,6 +483,12 @@ class RecipeSetup(FTRecipeInterface):
             self._loss_fn = training.compile_loss(self._loss_fn)
         if isinstance(self._loss_fn, CEWithChunkedOutputLoss):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+            pruning_cfg = self.settings.vocab_pruning
+            if self.world_size > 1 and pruning_cfg is not None and pruning_cfg["sharding"] == "sharded":
+                # Each output chunk is a call of the pruning module's own FSDP unit (an all-gather): every rank must
+                # make the same number of calls, whatever its sequence length (LinearCrossEntropyLoss agrees on its
+                # number of chunks itself).
+                self._pad_to_multiple = self._loss_fn.num_output_chunks
 
     # --------------------------------------------------------------------------------------------------- data
 
