@@ -49,6 +49,7 @@ from torchtune_ext.checkpoint import (  # output-dir checks; bounded disk
     on_rank_zero,
 )
 from torchtune_ext.config import check_config, instantiate_component
+from torchtune_ext.data import TINY_SPLITS
 from torchtune_ext.distributed import (
     check_fsdp_cpu_offload,
     check_nf4_sharding,
@@ -158,7 +159,12 @@ class RecipeSetup(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         self.world_size, self.rank = launched_world_size_and_rank()
         dry_run = bool(cfg.get("dry_run", False))  # estimates for the configured device, which need not be here
-        check_config(cfg, dry_run=dry_run)  # keys, ranges, device, files: before anything is done
+        check_config(  # keys, ranges, device, files: before anything is done
+            cfg,
+            dry_run=dry_run,
+            splits={"torchtune_ext.data.tiny_instruct_dataset": TINY_SPLITS},
+            plain_sections={"loss_scaler": LossScaler},
+        )
         if not dry_run:  # before anything is allocated on the device; the user's own allocator settings are kept
             use_expandable_segments(torch.device(str(cfg.device)))
         self.settings = RecipeSettings.from_config(cfg)
