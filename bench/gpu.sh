@@ -77,7 +77,7 @@ step() {
     return 0
   fi
   [ "$limit" -gt "$left" ] && limit=$left
-  echo "\$ $*"
+  [ "$1" = bash ] || echo "\$ $*"
   timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
   rc=$?
   show "$LOGS/$name.log"
@@ -145,14 +145,15 @@ main() {
     echo "the set-up failed: nothing else can run"
     return
   fi
-  local memory="$PY bench/gpu_memory.py --config $CONFIG --cache $CACHE --device $DEVICE"
+  # fused AdamW, as the real configs ship it (the tiny one does not say)
+  local memory="$PY bench/gpu_memory.py --config $CONFIG --cache $CACHE --device $DEVICE --override optimizer.fused=True"
   step memory_t4_dtypes 90 $memory --seq $SEQ --steps 3 --settings fp16,fp32
   step memory_offload 70 $memory --seq $LONG_SEQ --steps 2 --settings fp16+offload+tiled,fp32+offload+tiled
   local dtype
   for dtype in fp16 fp32; do # $CKPT: the random checkpoint bench/gpu_memory.py wrote
     tune_run "recipe_$dtype" 38 recipes/qlora_finetune_single_device.py "$CONFIG" checkpointer.checkpoint_dir="$CKPT" \
       checkpointer.checkpoint_files=[model.safetensors] output_dir="$CACHE/recipe_$dtype" dtype=$dtype epochs=1 \
-      max_steps_per_epoch=$TRAIN_STEPS $DATA $LOG_TO_STDOUT
+      max_steps_per_epoch=$TRAIN_STEPS optimizer.fused=True $DATA $LOG_TO_STDOUT
   done
   local model=1b
   [ "$SIZE" = tiny ] && model=tiny

@@ -143,6 +143,12 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--cache", default="/tmp/torchtune_ext_bench")
     parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="a config override for every setting (repeatable), e.g. optimizer.fused=True",
+    )
+    parser.add_argument(
         "--device",
         choices=["cuda", "cpu"],
         default=None,
@@ -161,7 +167,13 @@ def main() -> None:
     checkpoint = None
     for name in args.settings.split(","):
         estimate_cfg = _cfg(
-            Path(args.config), cache / "none", cache / "out", args.seq, args.batch, device, SETTINGS[name]
+            Path(args.config),
+            cache / "none",
+            cache / "out",
+            args.seq,
+            args.batch,
+            device,
+            SETTINGS[name] + args.override,
         )
         estimate_cfg.dry_run = True
         if device == "cpu" and "offload" in name:
@@ -171,7 +183,13 @@ def main() -> None:
         measured = None
         if device == "cuda" or (args.device == "cpu" and "offload" not in name):
             cfg = _cfg(
-                Path(args.config), checkpoint, cache / f"out_{name}", args.seq, args.batch, device, SETTINGS[name]
+                Path(args.config),
+                checkpoint,
+                cache / f"out_{name}",
+                args.seq,
+                args.batch,
+                device,
+                SETTINGS[name] + args.override,
             )
             measured = _measure(QLoRARecipe(cfg), cfg, args.batch, args.seq, args.steps)
             if device == "cuda":
