@@ -78,14 +78,8 @@ from torchtune_ext.memory._steps import (
     torchtune_setup,
     torchtune_train_step,
 )
-from torchtune_ext.memory._tracker import (
-    CATEGORIES,
-    LiveStorageTracker,
-    TrackerResult,
-    count_as_host,
-    flex_attention_backward_workspace,
-    pinned_block_bytes,
-)
+from torchtune_ext.memory._tracker import CATEGORIES, LiveStorageTracker, TrackerResult, count_as_host
+from torchtune_ext.memory._workspace import flex_attention_backward_workspace, pinned_block_bytes
 
 __all__ = [
     "pinned_bytes",

@@ -13,10 +13,9 @@ the module call that made it).
 
 Sizes are what the CUDA caching allocator would count for ``torch.cuda.max_memory_allocated``: each storage rounded
 up to 512 bytes (``round_bytes``), zero-byte storages not at all. The one allocation that is not a storage and is
-counted analytically is the CUDA attention backward kernels' internal workspace (:func:`attention_backward_workspace`,
-and for flex attention the fp32 ``delta`` inductor's backward computes before its kernel:
-:func:`flex_attention_backward_workspace`). Higher-order operators (flex attention) run on their fake
-implementations, their outputs counted as an op's.
+counted analytically is the attention backward kernels' internal workspace (``torchtune_ext.memory._workspace``).
+Higher-order operators (flex attention) run on their fake implementations, their outputs counted as an op's; the
+most frequent ops on fake tensors take the shortcuts of ``torchtune_ext.memory._fake_ops``.
 """
 
 from __future__ import annotations
@@ -30,9 +29,25 @@ import torch
 from torch import nn
 from torch._higher_order_ops.flex_attention import flex_attention_backward
 from torch._ops import HigherOrderOperator
-from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from torchtune_ext.memory._fake_ops import (
+    FRESH_OUTPUT_OPS,
+    VIEW_OPS,
+    WRITE_OPS,
+    FakeOutputCache,
+    all_fake,
+    fake_view,
+    placeholder,
+)
+from torchtune_ext.memory._workspace import (
+    ATTENTION_BACKWARD,
+    attention_backward_workspace,
+    flex_attention_backward_workspace,
+    pinned_block_bytes,
+)
 
 # Categories of the breakdown, in display order.
 NF4_WEIGHTS = "nf4_weights"
@@ -70,54 +85,6 @@ _PLAIN_TYPES = (torch.Tensor, nn.Parameter, FakeTensor)
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 _DEVICE = torch.ops.prim.device.default
 _NO_ALLOCATION_OPS = frozenset({_DEVICE, torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int})
-_aten = torch.ops.aten
-# The most frequent ops of a training step, run on fake tensors as FakeTensorMode runs them (their meta kernel, the
-# outputs wrapped on the inputs' device) but without its per-op bookkeeping (cache keys, device and constant
-# checks), which is most of an estimate's time. Only when every tensor argument is a fake tensor and no device is
-# asked for; anything else goes through FakeTensorMode. Views alias their first input's storage.
-_VIEW_OPS = frozenset(
-    {
-        _aten.view.default,
-        _aten.view.dtype,
-        _aten._unsafe_view.default,
-        _aten.t.default,
-        _aten.transpose.int,
-        _aten.permute.default,
-        _aten.slice.Tensor,
-        _aten.select.int,
-        _aten.unsqueeze.default,
-        _aten.squeeze.dim,
-        _aten.expand.default,
-        _aten.detach.default,
-        _aten.alias.default,
-    }
-)
-# Ops that make one fresh output whose shape, strides and dtype follow from those of their inputs: the output of a
-# fake call is built from the metadata of the first call with the same input metadata (the meta kernels of these
-# ops are Python reference implementations, slower than building the output).
-# In-place and out= ops: their output is the tensor they write, whose metadata they do not change (checked on the
-# first call with given input metadata, by running the meta kernel).
-_WRITE_OPS = {_aten.mul_.Tensor: 0, _aten.add_.Tensor: 0, _aten.add_.Scalar: 0, _aten.index_select.out: "out"}
-_FRESH_OUTPUT_OPS = frozenset(
-    {
-        _aten.mm.default,
-        _aten.bmm.default,
-        _aten.mul.Tensor,
-        _aten.add.Tensor,
-        _aten.sub.Tensor,
-        _aten.div.Tensor,
-        _aten.neg.default,
-        _aten.pow.Tensor_Scalar,
-        _aten.rsqrt.default,
-        _aten.silu.default,
-        _aten.silu_backward.default,
-        _aten.mean.dim,
-        _aten.sum.dim_IntList,
-        _aten._to_copy.default,
-        _aten.clone.default,
-        _aten.zeros_like.default,
-    }
-)
 
 
 class _Call:
@@ -169,19 +136,6 @@ class TrackerResult:
     pinned_host_peak_bytes: int = 0
 
 
-def pinned_block_bytes(nbytes: int) -> int:
-    """The block torch's caching host allocator reserves for ``nbytes`` of pinned memory: the next power of two
-    (``c10::llvm::PowerOf2Ceil`` in ``CachingHostAllocator``).
-
-    Args:
-        nbytes (int): the tensor's bytes.
-
-    Returns:
-        int: the block's bytes (0 for 0).
-    """
-    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
-
-
 def _round(nbytes: int, round_bytes: int) -> int:
     if nbytes <= 0:
         return 0
@@ -209,118 +163,6 @@ def _tensors(out: Any) -> Iterator[torch.Tensor]:
                 yield item
             elif isinstance(item, (tuple, list)):
                 yield from _tensors(item)
-
-
-def _placeholder(tensor: torch.Tensor) -> Any:
-    """The value a host read (``.item()``, ``bool()``, ``float()``) of a fake tensor returns during an estimate."""
-    if tensor.dtype == torch.bool:
-        return True
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
-        return 0.0
-    return 1
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def attention_backward_workspace(query: torch.Tensor, backend: Optional[str] = None) -> int:
-    """Bytes the CUDA attention backward kernels allocate inside the op (not as outputs), for ``query`` of shape
-    ``[batch, heads, seq, head_dim]``: FlashAttention-2 (``"flash"``: 16-bit inputs on sm80+) keeps an fp32 dQ
-    accumulator ``[batch, seq rounded to 128, heads, head_dim rounded to 32]`` and fp32 softmax row sums ``[batch,
-    heads, seq rounded to 128]``; the memory-efficient kernel (``"efficient"``) keeps the fp32 row sums ``[batch,
-    heads, seq]`` and, for 16-bit inputs (fp16 on a T4), an fp32 dQ accumulator ``[batch, heads, seq, head_dim]``
-    (fp32 inputs accumulate in dQ itself). The CPU kernel's own scratch is not the GPU's, so this is counted
-    analytically.
-
-    Args:
-        query (torch.Tensor): the attention query.
-        backend (Optional[str]): ``"flash"`` or ``"efficient"`` (a device profile's ``sdpa_backend``); None: by
-            dtype, as on sm80+ (flash for 16-bit, efficient for fp32).
-
-    Returns:
-        int: bytes.
-
-    Raises:
-        ValueError: for the ``"math"`` backend, whose O(seq^2) intermediates this estimate does not run.
-    """
-    batch, heads, seq, head_dim = query.shape
-    sixteen_bit = query.dtype != torch.float32
-    backend = backend or ("flash" if sixteen_bit else "efficient")
-    if backend == "math":
-        raise ValueError(
-            "the math SDPA kernel (O(seq^2) memory) is not estimated: use a dtype the device's fused "
-            "attention kernels take (fp32 or fp16 below sm80)"
-        )
-    if backend == "efficient":
-        return 4 * batch * heads * seq * ((head_dim + 1) if sixteen_bit else 1)
-    seq_rounded = _round_up(seq, 128)
-    return 4 * batch * seq_rounded * heads * _round_up(head_dim, 32) + 4 * batch * heads * seq_rounded
-
-
-def flex_attention_backward_workspace(query: torch.Tensor) -> int:
-    """Bytes inductor's flex attention backward allocates besides its outputs, for ``query`` of shape ``[batch,
-    heads, seq, head_dim]``: ``delta = (out * grad_out).sum(-1)`` in fp32, ``[batch, heads, seq]``
-    (``torch/_inductor/kernel/flex/flex_attention.py``); the kernel accumulates dQ in registers, not in memory.
-
-    Args:
-        query (torch.Tensor): the attention query.
-
-    Returns:
-        int: bytes.
-    """
-    batch, heads, seq, _ = query.shape
-    return 4 * batch * heads * seq
-
-
-# Attention backward ops and the position of their query argument; their kernel-internal workspace is added for the
-# duration of the op (see attention_backward_workspace).
-_ATTENTION_BACKWARD = {
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 1,
-    _aten._scaled_dot_product_flash_attention_backward.default: 1,
-    _aten._scaled_dot_product_efficient_attention_backward.default: 1,
-}
-
-
-def _fake_view(func, args, kwargs) -> FakeTensor:
-    """A view op on a fake tensor, as FakeTensorMode runs it (the meta kernel, wrapped on the input's device)."""
-    base = args[0]
-    mode = base.fake_mode
-    with in_kernel_invocation_manager(mode):
-        out = func(*args, **kwargs)
-    return mode.fake_tensor_converter.from_meta_and_device(mode, out, base.fake_device)
-
-
-def _all_fake(args: Any, kwargs: Dict[str, Any]) -> bool:
-    """Every tensor argument is a fake tensor of one mode without a known value, and no device is asked for.
-
-    A fake tensor made by ``torch.tensor(0.0)`` (an optimizer's step counter) carries its value (``constant``), and
-    FakeTensorMode computes the ops on it for real: a later ``.item()`` must read that value (a non-fused Adam's bias
-    correction divides by ``1 - beta1 ** step``), so such ops skip the shortcuts and go through FakeTensorMode."""
-    if kwargs.get("device") is not None:
-        return False
-    mode = None
-    for arg in (*args, *kwargs.values()):
-        if isinstance(arg, torch.Tensor):
-            if (
-                type(arg) is not FakeTensor
-                or arg.constant is not None
-                or (mode is not None and arg.fake_mode is not mode)
-            ):
-                return False
-            mode = arg.fake_mode
-        elif isinstance(arg, (list, tuple)) and any(isinstance(a, torch.Tensor) for a in arg):
-            return False
-    return mode is not None
-
-
-def _signature(arg: Any) -> Any:
-    """What an op's output metadata may depend on, for one argument."""
-    if isinstance(arg, torch.Tensor):
-        return (tuple(arg.shape), arg.stride(), arg.dtype)
-    if isinstance(arg, (list, tuple)):
-        return tuple(_signature(a) for a in arg)
-    return (type(arg), arg)
 
 
 _ACTIVE: List[LiveStorageTracker] = []
@@ -367,7 +209,7 @@ class LiveStorageTracker(TorchDispatchMode):
     tensors whose value FakeTensorMode knows (made by ``torch.tensor(...)``, such as an optimizer's step counter)
     return that value. The
     most frequent ops on fake tensors (views, elementwise, matmuls) skip FakeTensorMode's per-op bookkeeping: their
-    outputs are built from the meta kernels' metadata (see :data:`_VIEW_OPS`, :data:`_FRESH_OUTPUT_OPS`), faster
+    outputs are built from the meta kernels' metadata (``torchtune_ext.memory._fake_ops``), faster
     (BENCHMARKS.md, "Measurements behind design choices").
 
     Provisional kinds: the caller registers params, buffers and inputs (:meth:`register`); tensors made in a
@@ -379,7 +221,7 @@ class LiveStorageTracker(TorchDispatchMode):
     Args:
         round_bytes (int): allocation granularity (512: the CUDA caching allocator's).
         attention_backend (Optional[str]): the SDPA kernel whose backward workspace is counted
-            (:func:`attention_backward_workspace`); None: by dtype, as on sm80+.
+            (``attention_backward_workspace``); None: by dtype, as on sm80+.
     """
 
     def __init__(self, round_bytes: int = 512, attention_backend: Optional[str] = None):
@@ -407,7 +249,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self._in_optimizer = 0
         self._stage = "step"
         self._handles: List[Any] = []
-        self._output_metadata: Dict[Any, Any] = {}  # op signature -> output metadata (or: unchanged)
+        self._fake_outputs = FakeOutputCache()
         self._resizable: Dict[int, weakref.ref] = {}  # storages written by out= ops (FSDP2's all-gather outputs)
         self._polling = False
         self._paused = 0  # > 0: inside uncounted()
@@ -562,14 +404,14 @@ class LiveStorageTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, HigherOrderOperator):
             return self._higher_order(func, args, kwargs)
-        if func in _VIEW_OPS and type(args[0]) is FakeTensor and args[0].constant is None:
-            return _fake_view(func, args, kwargs)
-        if func in _FRESH_OUTPUT_OPS and _all_fake(args, kwargs):
-            out = self._fresh_output(func, args, kwargs)
+        if func in VIEW_OPS and type(args[0]) is FakeTensor and args[0].constant is None:
+            return fake_view(func, args, kwargs)
+        if func in FRESH_OUTPUT_OPS and all_fake(args, kwargs):
+            out = self._fake_outputs.fresh_output(func, args, kwargs)
             self._track_outputs(out)
             return out
-        if func in _WRITE_OPS and _all_fake(args, kwargs):
-            written = self._written_output(func, args, kwargs)
+        if func in WRITE_OPS and all_fake(args, kwargs):
+            written = self._fake_outputs.written_output(func, args, kwargs, self._track_outputs)
             if written is not None:
                 return written
         if func is _DEVICE and type(args[0]) is FakeTensor:
@@ -577,15 +419,15 @@ class LiveStorageTracker(TorchDispatchMode):
         if func in _NO_ALLOCATION_OPS:
             return func(*args, **kwargs)
         if func is _LOCAL_SCALAR_DENSE and isinstance(args[0], FakeTensor) and args[0].constant is None:
-            return _placeholder(args[0])  # a known value (``constant``) is read by FakeTensorMode below
+            return placeholder(args[0])  # a known value (``constant``) is read by FakeTensorMode below
         if any(t not in _PLAIN_TYPES for t in types):
             return NotImplemented  # a tensor subclass runs its own ops first; those come back here
         out = func(*args, **kwargs)
         self._track_outputs(out)
         if "out" in kwargs and getattr(func, "namespace", None) == "fsdp":
             self._track_written(kwargs["out"])  # FSDP2's copy into the storages it gathers into
-        if func in _ATTENTION_BACKWARD:
-            self._spike(attention_backward_workspace(args[_ATTENTION_BACKWARD[func]], self.attention_backend))
+        if func in ATTENTION_BACKWARD:
+            self._spike(attention_backward_workspace(args[ATTENTION_BACKWARD[func]], self.attention_backend))
         return out
 
     def _higher_order(self, func: HigherOrderOperator, args: Any, kwargs: Dict[str, Any]) -> Any:
@@ -605,37 +447,6 @@ class LiveStorageTracker(TorchDispatchMode):
         self._total += record.nbytes
         self._bump()
         self._release(record)
-
-    def _fresh_output(self, func, args: Any, kwargs: Dict[str, Any]) -> FakeTensor:
-        """The output of an op of :data:`_FRESH_OUTPUT_OPS` on fake tensors: its meta kernel the first time, then
-        an empty meta tensor of the metadata it gave for inputs of the same metadata."""
-        first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-        mode, device = first.fake_mode, first.fake_device
-        key = (func, _signature(args), _signature(tuple(kwargs.items())))
-        meta = self._output_metadata.get(key)
-        with in_kernel_invocation_manager(mode):
-            if meta is None:
-                out = func(*args, **kwargs)
-                self._output_metadata[key] = (tuple(out.shape), out.stride(), out.dtype)
-            else:
-                out = torch.empty_strided(meta[0], meta[1], dtype=meta[2], device="meta")
-        return FakeTensor(mode, out, device)
-
-    def _written_output(self, func, args: Any, kwargs: Dict[str, Any]) -> Optional[FakeTensor]:
-        """The output of an in-place or out= op of :data:`_WRITE_OPS` on fake tensors (the tensor written), or None
-        to run it through FakeTensorMode (when its first call with this input metadata resized the output)."""
-        where = _WRITE_OPS[func]
-        written = kwargs[where] if isinstance(where, str) else args[where]
-        key = (func, _signature(args), _signature(tuple(kwargs.items())))
-        known = self._output_metadata.get(key)
-        if known is None:
-            before = (tuple(written.shape), written.stride(), written.dtype)
-            with in_kernel_invocation_manager(written.fake_mode):
-                func(*args, **kwargs)
-            self._output_metadata[key] = before == (tuple(written.shape), written.stride(), written.dtype)
-            self._track_outputs(written)  # counts a resize
-            return written
-        return written if known else None
 
     def _track_outputs(self, out: Any) -> None:
         if self._paused:
