@@ -1,4 +1,4 @@
-"""The compat hook (``torchtune_ext/_compat.py``) in fresh interpreters, started the ways users start us.
+"""The compat hook (``torchtune_ext/_compat/``) in fresh interpreters, started the ways users start us.
 
 Each case runs a new ``python`` of this environment, so the start-up ``.pth`` hook runs as it does for ``tune``,
 torchrun workers or a notebook, and nothing this test process imported can help.
@@ -26,9 +26,10 @@ def _ok(result: subprocess.CompletedProcess) -> str:
     return result.stdout
 
 
-def test_hook_is_installed_at_start_up_without_importing_torch():
-    out = _ok(_python("import sys; print([type(f).__name__ for f in sys.meta_path][0], 'torch' in sys.modules)"))
-    assert out.split() == ["_CompatFinder", "False"]
+def test_start_up_installs_a_finder_and_imports_nothing():
+    """The start-up hook imports neither torch nor torchtune_ext (a second checkout imports its own later)."""
+    code = "import sys; print(type(sys.meta_path[0]).__name__, 'torch' in sys.modules, 'torchtune_ext' in sys.modules)"
+    assert _ok(_python(code)).split() == ["_StartupFinder", "False", "False"]
 
 
 @pytest.mark.parametrize(
@@ -65,7 +66,7 @@ def test_nf4_handles_wrap_tensor_autograd():
         "nf4 = _compat._nf4_module()\n"
         "_compat.apply()\n"
         "op = getattr(torch.ops._c10d_functional, '_wrap_tensor_autograd', None)\n"
-        "print(op is None or nf4.NF4_OPS_TABLE[op.default].__module__ == 'torchtune_ext._compat')\n"
+        "print(op is None or nf4.NF4_OPS_TABLE[op.default].__module__ == 'torchtune_ext._compat._nf4_ops')\n"
     )
     assert _ok(_python(code)).strip() == "True"
 
