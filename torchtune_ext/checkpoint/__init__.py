@@ -48,7 +48,6 @@ from torchtune_ext.checkpoint._random import write_random_hf_checkpoint
 from torchtune_ext.checkpoint._recipe_state import (
     DataPosition,
     RecipeState,
-    RunIdentity,
     UnsafeRecipeStateError,
     plain_rng_state,
     previous_path,
@@ -63,6 +62,7 @@ from torchtune_ext.checkpoint._retention import (
     remove_old_checkpoints,
     step_folders,
 )
+from torchtune_ext.checkpoint._run_identity import RunIdentity
 from torchtune_ext.checkpoint._safetensors import iter_tensors as iter_safetensors
 from torchtune_ext.checkpoint._safetensors import read_header as read_safetensors_header
 from torchtune_ext.checkpoint._validate import check_checkpoint_matches
