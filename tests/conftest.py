@@ -1,6 +1,8 @@
 """Shared test helpers. ``run_distributed`` runs a function on a real multi-process gloo group;
 ``tiny_trained_state`` gives a tiny QLoRA model as a trained recipe holds it, with the recipe's checkpointer;
-``run_main`` calls a command's entry point in this process, as its console script would run it.
+``run_main`` calls a command's entry point in this process, as its console script would run it, and
+``run_recipe_in_process`` a recipe as ``tune run`` would on one device;
+``family_marks`` keeps one builder per model family in the fast lane of a test over every shipped builder.
 
 The test lanes: plain ``pytest`` runs the fast lane, the in-process tests (``addopts`` in pyproject.toml deselects
 the markers of the slow lane: ``integration_test``, ``distributed``, ``slow``, ``real_model``); ``.ci/run`` runs
@@ -18,11 +20,38 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
+import pytest
 import torch.multiprocessing as mp
 
 DIST_TIMEOUT_S = 120
 #: what a worker of ``tune run --nproc_per_node`` / ``torchrun`` has in its environment (a test runs as none).
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHTUNE_EXT_CONFIG_ERROR_DIR", "TORCHTUNE_EXT_TRACEBACK")
+
+
+#: one shipped builder per model family (its smallest): the fast lane's cases of a test over every builder; the
+#: others' cases are marked ``slow``.
+FAMILY_REPRESENTATIVES = frozenset(
+    f"{prefix}{name}"
+    for prefix in ("qlora_", "lora_")
+    for name in (
+        "tiny_llama",
+        "tiny_qwen",
+        "llama2_7b",
+        "llama3_2_1b",
+        "mistral_7b",
+        "gemma2_2b",
+        "phi3_mini",
+        "qwen2_5_0_5b",
+        "qwen3_0_6b",
+        "smollm2_135m",
+    )
+)
+
+
+def family_marks(builder: Callable) -> Tuple[Any, ...]:
+    """The marks of ``builder``'s case in a test over every shipped builder: none for its family's representative
+    (:data:`FAMILY_REPRESENTATIVES`), ``slow`` for the others."""
+    return () if builder.__name__ in FAMILY_REPRESENTATIVES else (pytest.mark.slow,)
 
 
 def load_recipe(path: Path) -> ModuleType:
@@ -76,6 +105,26 @@ def run_main(
         printed = printed._replace(err=f"{printed.err}{code}\n")
         code = 1
     return subprocess.CompletedProcess(list(argv), code, printed.out, printed.err)
+
+
+def run_recipe_in_process(recipe: Path, args: Sequence[str], cwd: Optional[Path] = None) -> None:
+    """Runs ``tune run <recipe> <args>`` on one device in this process: the recipe file's ``recipe_main`` with that
+    ``sys.argv``, in ``cwd``, without a launcher's variables (a launched ``tune run`` costs ~10 s of start-up; this
+    costs none). What it prints goes to the test's output; a non-zero exit fails the caller with its code."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for name in _LAUNCHER_ENV:
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(sys, "argv", [str(recipe), *args])
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        sigterm = signal.getsignal(signal.SIGTERM)  # a config error's exit ignores SIGTERM
+        try:
+            load_recipe(recipe).recipe_main()
+        except SystemExit as stop:
+            if stop.code not in (None, 0):
+                raise AssertionError(f"{recipe.name} {' '.join(args)} exited with {stop.code}") from stop
+        finally:
+            signal.signal(signal.SIGTERM, sigterm)
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import List
 
 from _hf_runner import ROOT
+from conftest import run_recipe_in_process
 from omegaconf import DictConfig, OmegaConf
 
 TUNE = Path(sys.executable).parent / "tune"
@@ -36,20 +37,24 @@ def tiny_training_args(out: Path, steps: int) -> List[str]:
 
 
 def run_recipe(config: str, args: List[str], timeout_s: int, nproc: int = 0) -> DictConfig:
-    """``tune run`` of the single-device recipe (``nproc`` > 0: the distributed one on that many gloo ranks) with
-    ``config`` and ``args`` (keys in :data:`REMOVED` that the config has are dropped); returns the config it ran."""
-    recipe = "recipes/qlora_finetune_distributed.py" if nproc else "recipes/qlora_finetune_single_device.py"
-    launch = ["--nproc_per_node", str(nproc)] if nproc else []
-    args = args + (["process_group_timeout_s=120"] if nproc else [])
+    """``tune run`` of the single-device recipe, in this process (``nproc`` > 0: the distributed one launched on that
+    many gloo ranks, within ``timeout_s``) with ``config`` and ``args`` (keys in :data:`REMOVED` that the config has
+    are dropped); returns the config it ran."""
     present = OmegaConf.load(ROOT / config)
     removed = [key for key in REMOVED if OmegaConf.select(present, key[1:]) is not None]
+    if not nproc:
+        run_recipe_in_process(ROOT / "recipes/qlora_finetune_single_device.py", ["--config", config, *args, *removed],
+                              cwd=ROOT)  # fmt: skip
+        return OmegaConf.merge(present, OmegaConf.from_dotlist(args))
+    args = args + ["process_group_timeout_s=120"]
+    launch = ["--nproc_per_node", str(nproc), "recipes/qlora_finetune_distributed.py"]
     result = subprocess.run(
-        [str(TUNE), "run", *launch, recipe, "--config", config, *args, *removed],
+        [str(TUNE), "run", *launch, "--config", config, *args, *removed],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env={**os.environ, "OMP_NUM_THREADS": "1" if nproc else "2"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, f"recipe run failed (rc {result.returncode}):\n{result.stderr[-6000:]}"
     return OmegaConf.merge(present, OmegaConf.from_dotlist(args))

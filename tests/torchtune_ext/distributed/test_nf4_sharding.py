@@ -1,5 +1,6 @@
 """NF4 weights on any number of ranks: every shipped builder's real shapes are sharded on 2, 3, 4 and 8 ranks (evenly,
-or unevenly by whole scale groups with padded shards), checked on the meta device under a fake process group; real
+or unevenly by whole scale groups with padded shards), checked on the meta device under a fake process group (one
+builder per family in the fast lane, the others in the slow lane); real
 gloo groups of 2 and 3 ranks gather and train like one device, and their full state dicts equal its, bit for bit."""
 
 import os
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import run_distributed
+from conftest import family_marks, run_distributed
 from safetensors.torch import load_file
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -34,7 +35,7 @@ from torchtune_ext.nf4 import (
 
 ROOT = Path(__file__).resolve().parents[3]
 SHARDED_INNER = ("quantized_scalers", "quantization_factor", "quantized_data")
-BUILDERS = [b for b in models.QLORA_BUILDERS]
+BUILDERS = [pytest.param(b, id=b.__name__, marks=family_marks(b)) for b in models.QLORA_BUILDERS]
 
 
 def _build(builder, device="meta"):
@@ -117,7 +118,7 @@ def test_uneven_shards_gather_to_the_whole_quantization_bit_for_bit(shape, world
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
-@pytest.mark.parametrize("builder", BUILDERS, ids=lambda b: b.__name__)
+@pytest.mark.parametrize("builder", BUILDERS)
 def test_every_builder_shards_on_2_3_4_and_8_ranks(builder, world_size):
     """Real shapes on the meta device: every NF4 weight is sharded (none kept whole), evenly on 2, 4 and 8 ranks
     (the per-shape scale groups split so), each distinct shape checked alone on the first and last rank, and the

@@ -110,6 +110,7 @@ _AOT_BACKEND = aot_autograd(
 _DENSE_BASE_BYTES = 2 * (DIM * DIM + 2 * DIM * 128 + DIM * DIM + 3 * DIM * 512)
 
 
+@pytest.mark.slow
 def test_compiled_layer_saves_what_dynamo_hands_the_partitioner():
     """The estimate traces the layer with AOTAutograd directly; torch.compile goes through dynamo first (the NF4
     linear's autograd.Function included). Same partitioner, inductor's decompositions: the same saved tensors."""
@@ -146,6 +147,7 @@ def _our_nf4_layer_reference_saved(backend) -> Tuple[int, int]:
         return _reference_saved(backend, _our_tiny_model("cpu"), warm=True)
 
 
+@pytest.mark.slow
 def test_compiled_nf4_layer_saves_what_dynamo_hands_the_partitioner():
     """Our NF4 linear decodes through a cached table, a global tensor that dynamo lifts into a graph input; the
     estimate's trace takes the table as an input too: the same saved tensors (each dequantized base weight)."""
@@ -201,6 +203,7 @@ def _compiled_estimator(model: nn.Module, fake: bool) -> MemoryEstimator:
     )
 
 
+@pytest.mark.slow
 def test_compiled_fake_estimate_matches_real_cpu_run():
     fake = _compiled_estimator(_tiny_model("meta"), fake=True).estimate(BATCH, SEQ)
     real = _compiled_estimator(_tiny_model("cpu"), fake=False).estimate(BATCH, SEQ)
@@ -208,6 +211,7 @@ def test_compiled_fake_estimate_matches_real_cpu_run():
     assert fake.breakdown == real.breakdown
 
 
+@pytest.mark.slow
 def test_compiled_loss_never_holds_the_fp32_logits():
     """Eager, each chunk's fp32 upcast is saved for backward; compiled, the partition recomputes it from the 16-bit
     chunk: the peak of the loss phase drops by at least the fp32 logits of the 8 chunks."""

@@ -406,6 +406,7 @@ def test_the_dry_run_leaves_the_recipe_untouched_and_runs_its_overrides():
 # ---------------------------------------------------------------------------- (b) torchtune's recipe, the seed
 
 
+@pytest.mark.slow
 def test_torchtune_llama2_7b_qlora_matches_the_seed_measurement():
     """Validation (b): torchtune's own recipe at its configs/llama2/7B_qlora_single_device.yaml setting (batch 2,
     gradient accumulation 8, activation checkpointing), against the issue's GPU measurement: 6.98 GiB peak allocated

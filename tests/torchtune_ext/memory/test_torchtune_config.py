@@ -47,6 +47,7 @@ def test_the_config_sets_the_model_the_optimizer_and_the_accumulation(compile):
     assert estimate.breakdown["optimizer_state"] == 2 * adapters + steps
 
 
+@pytest.mark.slow
 def test_the_config_sets_packing_and_activation_offloading():
     """The config's ``dataset.packed`` and ``enable_activation_offloading`` reach torchtune's step: the host holds
     each checkpointed layer's bf16 input and the final norm's two fp32 input saves (its fp32 rsqrt rows, 256 bytes,

@@ -5,6 +5,7 @@ Reference shapes: batch B x S tokens, LAYERS decoder layers of HEADS heads of HE
 LoRA on q/v only, so the first layer's k (from the frozen embedding, no adapter) needs no gradient.
 """
 
+import pytest
 import torch
 from torch._subclasses import FakeTensorMode
 from torchtune import training
@@ -109,6 +110,7 @@ def test_packed_estimate_differs_from_padded_only_by_mask_positions_and_kernel()
     assert packed.peak_bytes - padded.peak_bytes == expected
 
 
+@pytest.mark.slow
 def test_compiled_packed_estimate_differs_from_padded_by_the_batch_and_the_kernel():
     """Compiled, with checkpointing (each layer's forward and backward one graph, flex attention an extern kernel):
     the partition recomputes the RoPE rows and keeps no max scores, and the peak is in a layer's attention backward,

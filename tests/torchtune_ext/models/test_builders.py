@@ -1,7 +1,9 @@
-"""QLoRA builders against torchtune's matching ``lora_*`` builders."""
+"""QLoRA builders against torchtune's matching ``lora_*`` builders (one builder per family in the fast lane, the others
+in the slow lane)."""
 
 import pytest
 import torch
+from conftest import family_marks
 from torch import nn
 from torchtune.modules import TiedLinear
 from torchtune.modules.peft import DoRALinear as TorchtuneDoRALinear
@@ -33,21 +35,21 @@ TIED = {
     models.qlora_gemma2_9b,
     models.qlora_gemma2_27b,
 }
-CASES = [(ours, theirs, False) for ours, theirs in QLORA_BUILDERS.items()] + [
-    (models.qlora_llama3_2_1b, QLORA_BUILDERS[models.qlora_llama3_2_1b], True),
-    (models.qlora_qwen2_5_0_5b, QLORA_BUILDERS[models.qlora_qwen2_5_0_5b], True),
-    (models.qlora_mistral_7b, QLORA_BUILDERS[models.qlora_mistral_7b], True),
-    (models.qlora_qwen3_8b, QLORA_BUILDERS[models.qlora_qwen3_8b], True),
-]
+CASES = [
+    pytest.param(ours, QLORA_BUILDERS[ours], use_dora, id=f"{ours.__name__}{'-dora' if use_dora else ''}",
+                 marks=family_marks(ours))
+    for ours, use_dora in [(ours, False) for ours in QLORA_BUILDERS] + [
+        (models.qlora_llama3_2_1b, True), (models.qlora_qwen2_5_0_5b, True), (models.qlora_mistral_7b, True),
+        (models.qlora_qwen3_8b, True),
+    ]
+]  # fmt: skip
 
 
 def _is_adapter(name: str) -> bool:
     return ".lora_a." in name or ".lora_b." in name or name.endswith(".magnitude")
 
 
-@pytest.mark.parametrize(
-    "ours, theirs, use_dora", CASES, ids=[f"{o.__name__}{'-dora' if d else ''}" for o, _, d in CASES]
-)
+@pytest.mark.parametrize("ours, theirs, use_dora", CASES)
 def test_builder_matches_torchtune(ours, theirs, use_dora):
     kwargs = dict(apply_lora_to_mlp=True, apply_lora_to_output=ours not in TIED, lora_rank=8, use_dora=use_dora)
     model = ours(ATTN, dtype=torch.bfloat16, adapter_dtype=torch.float32, **kwargs)

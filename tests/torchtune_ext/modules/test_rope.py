@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from conftest import family_marks
 from omegaconf import OmegaConf
 from torchtune.models.gemma2._attention import Gemma2Attention
 from torchtune.modules import MultiHeadAttention
@@ -51,10 +52,10 @@ def test_shared_rope_gives_the_same_outputs_and_grows_on_demand(builder):
     assert ropes[0].cache.shape[0] == 128 and torch.equal(got, expected)
 
 
-def test_every_shipped_builder_has_one_rope():
-    for builder in QLORA_BUILDERS:
-        model = builder(lora_attn_modules=["q_proj", "v_proj"], device="meta")
-        assert len(_ropes(model)) == 1, builder.__name__
+@pytest.mark.parametrize("builder", [pytest.param(b, id=b.__name__, marks=family_marks(b)) for b in QLORA_BUILDERS])
+def test_every_shipped_builder_has_one_rope(builder):
+    model = builder(lora_attn_modules=["q_proj", "v_proj"], device="meta")
+    assert len(_ropes(model)) == 1
 
 
 def test_bad_length():

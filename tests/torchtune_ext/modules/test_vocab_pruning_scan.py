@@ -95,6 +95,7 @@ def _scan_worker(rank: int, world_size: int, out: str) -> None:
         scan_kept_ids([CountingDataset(10, bad_row=3)], VOCAB, progress=False)
 
 
+@pytest.mark.distributed
 def test_scan_on_two_ranks_equals_one_rank_and_splits_the_rows(tmp_path: Path):
     run_distributed(_scan_worker, 2, str(tmp_path))
     expected = _reference([CountingDataset(301, seed=1), CountingDataset(41, seed=2)], always_keep=(998,))
