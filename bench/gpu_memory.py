@@ -1,6 +1,7 @@
 """The memory estimate against a real GPU: our recipe's training step on a fixed-shape batch, estimated (fake
-tensors, ``QLoRARecipe.memory_estimator``) and measured (``torch.cuda.max_memory_allocated`` / ``_reserved``) in one
-run, for the settings the estimate is used for (bf16 / fp16 / fp32, activation offloading, tiled MLP).
+tensors, the recipe file's ``memory_estimator``) and measured (``torch.cuda.max_memory_allocated`` /
+``_reserved``) in one run, for the settings the estimate is used for (bf16 / fp16 / fp32, activation offloading,
+tiled MLP).
 
 The model is a random-weight HF checkpoint of the given config's shape (written once into ``--cache``), loaded by
 the recipe's own set-up; each measured step is the recipe's ``forward_backward`` + ``optimizer_step`` on
@@ -157,7 +158,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from torchtune_ext.training import QLoRARecipe
+    from torchtune_ext.recipes.qlora_finetune_single_device import QLoRAFinetuneRecipe
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cache = Path(args.cache)
@@ -178,7 +179,7 @@ def main() -> None:
         estimate_cfg.dry_run = True
         if device == "cpu" and "offload" in name:
             estimate_cfg.device = "cuda"  # what the estimate is for; it needs no GPU
-        estimate = QLoRARecipe(estimate_cfg).memory_estimator(estimate_cfg).estimate(args.batch, args.seq)
+        estimate = QLoRAFinetuneRecipe(estimate_cfg).memory_estimator(estimate_cfg).estimate(args.batch, args.seq)
         checkpoint = checkpoint or _checkpoint(estimate_cfg, cache)
         measured = None
         if device == "cuda" or (args.device == "cpu" and "offload" not in name):
@@ -191,7 +192,7 @@ def main() -> None:
                 device,
                 SETTINGS[name] + args.override,
             )
-            measured = _measure(QLoRARecipe(cfg), cfg, args.batch, args.seq, args.steps)
+            measured = _measure(QLoRAFinetuneRecipe(cfg), cfg, args.batch, args.seq, args.steps)
             if device == "cuda":
                 torch.cuda.empty_cache()
         print(_row(name, estimate.peak_bytes, measured), flush=True)
