@@ -16,16 +16,17 @@
 # Output: $OUT/gpu_bench.txt (the folder the device call returns), one file: every step's output (progress bars
 # left out), then a SUMMARY with each step's status and time, and the last lines of every failed step's log.
 #
-# Steps (limit in seconds at SIZE=full):
+# Steps (limit in seconds at SIZE=full; 451 in all, the budget 460):
+#   0. the wheels installed, the imports checked                                                                   40
 #   1. memory, the T4 dtypes: estimate vs measured peak of our recipe's step on the Llama-3.2-1B-shaped config at
 #      2048 tokens, fp16 and fp32, with the fused AdamW the configs ship (fp16: the loss scaler's scale and skips) 90
-#   2. memory with activation offloading (+ tiled MLP) at 16384 tokens, fp16 and fp32                             75
-#   3-4. the 1B-shaped recipe end to end (`tune run`, fused AdamW), fp16 then fp32: loss, scale, tokens/s, peak     75
+#   2. memory with activation offloading (+ tiled MLP) at 16384 tokens, fp16 and fp32                             70
+#   3-4. the 1B-shaped recipe end to end (`tune run`, fused AdamW), fp16 then fp32: loss, scale, tokens/s, peak     76
 #   5. the 1B-shaped load onto the GPU, ours vs torchtune's recipe set-up (time, GPU and host peak)              40
 #   6-7. the tiny default trained, then answering with its adapter (the generation recipe)                        35
-#   8. the tiny recipe, ours vs torchtune's lora_finetune_single_device (fp32, bf16)                              35
+#   8. the tiny recipe, ours vs torchtune's lora_finetune_single_device (fp32, bf16)                              30
 #   9-10. NF4 dequantization and linear fwd+bwd, ours vs torchao vs dense                                          35
-#   11. compile=True: the compiled estimate vs measured (bf16, 2048)                                             40
+#   11. compile=True: the compiled estimate vs measured (bf16, 2048)                                             35
 # Not here (no time left in one try): the 1.5B-shaped load against its file's read (bench/load_scaling.py --device
 # cuda), the 1B recipe against torchtune's, and bench/peers.py (bitsandbytes is not on that machine).
 set -uo pipefail
