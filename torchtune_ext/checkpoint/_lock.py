@@ -1,9 +1,9 @@
 """One run per output folder.
 
-:class:`OutputDirLock` holds an exclusive ``flock`` on ``<output_dir>/.run.lock`` (which records the holder's pid,
-start time, host and command) for the life of the run; the operating system releases it when the process ends,
-however it ends, so the lock of a killed run never blocks a resume. A second run into the same folder fails at
-start with :class:`OutputDirInUseError`, naming the running one.
+:class:`OutputDirLock` holds ``filelock``'s native lock (``flock`` on POSIX, ``LockFileEx`` on Windows) on
+``<output_dir>/.run.lock``, which records the holder's pid, start time, host and command, for the life of the run;
+the operating system releases it when the process ends, however it ends, so the lock of a killed run never blocks a
+resume. A second run into the same folder fails at start with :class:`OutputDirInUseError`, naming the running one.
 
 :func:`check_output_dir` refuses, before anything is written, an ``output_dir`` that holds another run's
 checkpoints (its recipe state or ``step_N`` folders) unless the run resumes it (``resume_from_checkpoint=True``) or
@@ -21,20 +21,18 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import IO, Callable, List, Optional, TypeVar, Union
+from typing import Callable, List, Optional, TypeVar, Union
 
+import filelock
 import torch.distributed as dist
 from torchtune import utils
 
 from torchtune_ext.checkpoint._checkpointer import RECIPE_STATE_DIRNAME, RECIPE_STATE_FILENAME
 from torchtune_ext.config import ConfigError
 
-try:
-    import fcntl
-except ImportError:  # not POSIX (Windows): runs go unlocked, with a warning
-    fcntl = None
-
 log = utils.get_logger("INFO")
+#: what a file system without locks answers (some network mounts): the run goes on unlocked, with a warning.
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 LOCK_FILENAME = ".run.lock"
 T = TypeVar("T")
@@ -75,11 +73,15 @@ class OutputDirLock:
     def __init__(self, output_dir: PathLike) -> None:
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / LOCK_FILENAME
-        self._file: Optional[IO[str]] = None
+        # preserve_lock_file: the file stays (deleting it would race with a run opening it), and a file system
+        # without flock raises (below) instead of falling back to a marker file that a killed run would leave.
+        self._lock = filelock.FileLock(
+            self.path, timeout=0, preserve_lock_file=True, on_acquired=_record_holder, thread_local=False
+        )
 
     def acquire(self) -> OutputDirLock:
-        """Takes the lock and records this process in the lock file. On a file system without ``flock`` (some
-        network mounts) or a system without it (Windows) it warns and goes on unlocked.
+        """Takes the lock and records this process in the lock file. On a file system without locks (some network
+        mounts) it warns and goes on unlocked.
 
         Returns:
             OutputDirLock: self.
@@ -87,39 +89,24 @@ class OutputDirLock:
         Raises:
             OutputDirInUseError: if a live process holds it.
         """
-        if fcntl is None:
-            log.warning("File locks need a POSIX system: nothing stops a second run in the same output_dir.")
-            return self
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        lock_file = open(self.path, "a+")
         try:
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock_file.close()
+            self._lock.acquire()
+        except filelock.Timeout:
             raise _in_use_error(self.output_dir) from None
         except OSError as err:
-            lock_file.close()
-            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            if err.errno not in _NO_LOCKS:
                 raise
             log.warning(f"{self.output_dir} does not support file locks ({err}): nothing stops a second run there.")
-            return self
-        lock_file.seek(0)
-        lock_file.truncate()
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": sys.argv}
-        lock_file.write(json.dumps(holder))
-        lock_file.flush()
-        self._file = lock_file
         return self
 
     def release(self) -> None:
-        """Releases the lock (the file stays: deleting it would race with a run opening it)."""
-        if self._file is not None:
-            self._file.close()  # closing the only descriptor releases the flock
-            self._file = None
+        """Releases the lock (the file stays)."""
+        self._lock.release()
 
     @property
     def held(self) -> bool:
-        return self._file is not None
+        return self._lock.is_locked
 
     def __enter__(self) -> OutputDirLock:
         return self.acquire()
@@ -138,16 +125,26 @@ class OutputDirLock:
             bool: True while another run holds it.
         """
         path = Path(output_dir) / LOCK_FILENAME
-        if fcntl is None or not path.is_file():
+        if not path.is_file():
             return False
-        with open(path) as lock_file:
-            try:
-                fcntl.flock(lock_file.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            except OSError:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if filelock.lock_descriptor(fd, blocking=False):
+                filelock.unlock_descriptor(fd)
                 return False
-        return False
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+
+def _record_holder(fd: int) -> None:
+    """Writes this process into the lock file just locked (``fd``): what a refused second run names."""
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": sys.argv}
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, json.dumps(holder).encode())
 
 
 def previous_run_state(output_dir: PathLike) -> List[str]:
