@@ -1,5 +1,12 @@
 """Random-weight HF checkpoints of any torchtune architecture, written one tensor at a time: the embedded tiny default's
-base model, and real-shaped models for benchmarks (no download)."""
+base model, and real-shaped models for benchmarks (no download).
+
+Why not transformers' ``AutoModelForCausalLM.from_config(config).save_pretrained(folder)``: it builds and
+initializes the whole model in host memory, so its peak grows with the model where this one's grows with the
+largest tensor, and it is slower (both measured in BENCHMARKS.md); it draws the weights with its own init from the
+global RNG, so the tiny default's weights, and every number the tests pin on them, would change; and transformers
+is an optional dependency (the ``hf`` extra), while the tiny default needs this in a core install.
+"""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
 """Read and write safetensors files one tensor at a time.
 
 Why not ``safetensors.safe_open``: it memory-maps the whole file, and every page a read touches stays in the
-process's resident set until the file is closed, so reading a 5 GB shard tensor by tensor still peaks near 5 GB
-of RSS. Here each tensor is read with ``readinto`` into its own buffer, which is the only host memory it takes.
-Writing streams too: the header is computed from the tensors' specs, then each tensor's bytes are written as it
-is produced. The files are plain safetensors (``safetensors.safe_open`` and ``transformers`` read them).
+process's resident set until the file is closed, so reading a shard tensor by tensor peaks at the shard's size in
+RSS (measured in BENCHMARKS.md). Here each tensor is read with ``readinto`` into its own buffer, which is the only
+host memory it takes. That reader needs each tensor's data offsets, which ``safe_open`` does not expose (it gives
+names, shapes and dtypes), so the header is read here too. Writing streams as well: the header is computed from the
+tensors' specs, then each tensor's bytes are written as it is produced. The files are plain safetensors
+(``safetensors.safe_open`` and ``transformers`` read them).
 """
 
 from __future__ import annotations
