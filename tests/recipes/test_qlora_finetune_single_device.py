@@ -1,8 +1,9 @@
 """Integration tests of recipes/qlora_finetune_single_device.py on the tiny models (CPU, a few steps each).
 
-Runs go through ``tune run`` in subprocesses (command-line overrides, exit codes, fresh RNG on resume), except
-where a test must reach inside a recipe (parity with torchtune's recipe, gradient dtypes, a simulated device
-without bf16). Tolerances, measured on CPU with these settings:
+Runs call the recipe's entry point in this process as ``tune run`` does (command-line overrides, exit codes); the
+resume and the tiny default's run go through ``tune run`` in processes of their own (a fresh RNG on resume, the
+console script a user types). Parity with torchtune's recipe, gradient dtypes and a simulated device without bf16
+reach inside a recipe. Tolerances, measured on CPU with these settings:
 
 - parity with torchtune's ``lora_finetune_single_device`` (fp32, quantize_base=True): first 4 losses within 1e-4
   (measured: 7e-7).
@@ -18,6 +19,7 @@ without bf16). Tolerances, measured on CPU with these settings:
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import subprocess
@@ -28,6 +30,7 @@ from typing import Dict, List
 import pytest
 import torch
 import torchtune
+from conftest import load_recipe, run_main, run_recipe_in_process
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -80,6 +83,17 @@ def tune_run(*overrides: str, check: bool = True) -> subprocess.CompletedProcess
     return result
 
 
+def recipe_run(*overrides: str) -> None:
+    """The recipe with the tiny config and ``overrides``, in this process (``tune run``'s argv)."""
+    run_recipe_in_process(RECIPE, ["--config", str(CONFIG), *overrides], cwd=REPO)
+
+
+def recipe_main(monkeypatch, capfd, *overrides: str) -> subprocess.CompletedProcess:
+    """:func:`recipe_run` with its exit code and what it printed (``conftest.run_main``)."""
+    argv = [str(RECIPE), "--config", str(CONFIG), *overrides]
+    return run_main(load_recipe(RECIPE).recipe_main, argv, monkeypatch, capfd, cwd=REPO)
+
+
 def scalars(output_dir: Path) -> Dict[str, Dict[int, float]]:
     """Every TensorBoard scalar under ``output_dir/logs`` (all runs, e.g. before and after a resume), by step."""
     found: Dict[str, Dict[int, float]] = {}
@@ -118,7 +132,7 @@ def runs(workdir, base):
     def run(name: str, *overrides: str) -> Path:
         if name not in done:
             out = workdir / name
-            tune_run(f"output_dir={out}", f"checkpointer.checkpoint_dir={base}", *SMALL, *overrides)
+            recipe_run(f"output_dir={out}", f"checkpointer.checkpoint_dir={base}", *SMALL, *overrides)
             done[name] = out
         return done[name]
 
@@ -506,7 +520,7 @@ def test_vocab_pruning_exports_the_trained_rows(runs, base):
 def test_export_qwen_merged_onto_the_original_base_plus_lora(workdir):
     """``merge_base=original``: the merged model is the checkpoint's own weights + LoRA (PEFT's model)."""
     out, qwen_base = workdir / "qwen", workdir / "base_qwen"
-    tune_run(
+    recipe_run(
         f"output_dir={out}",
         f"checkpointer.checkpoint_dir={qwen_base}",
         "generate_base_checkpoint.family=qwen",
@@ -558,9 +572,9 @@ def test_tiny_default_learns_and_prints_where_outputs_are(workdir):
         (["model.intermediate_dim=200"], "does not match the configured model"),
     ],
 )
-def test_bad_config_fails_clearly_before_writing(base, workdir, overrides, message):
+def test_bad_config_fails_clearly_before_writing(base, workdir, overrides, message, monkeypatch, capfd):
     out = workdir / f"bad_{len(list(workdir.glob('bad_*')))}"
-    result = tune_run(f"output_dir={out}", f"checkpointer.checkpoint_dir={base}", *overrides, check=False)
+    result = recipe_main(monkeypatch, capfd, f"output_dir={out}", f"checkpointer.checkpoint_dir={base}", *overrides)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-3000:]
     assert not out.exists()
@@ -584,7 +598,7 @@ def test_bf16_where_unsupported_fails_before_writing(base, workdir, monkeypatch)
 
 
 @pytest.mark.stack
-def test_fp32_keeps_a_16_bit_checkpoints_frozen_weights_in_16_bit(workdir):
+def test_fp32_keeps_a_16_bit_checkpoints_frozen_weights_in_16_bit(workdir, caplog):
     """dtype=fp32 on a bf16 checkpoint: the token embedding (tied output) stays bf16 by default, computing in fp32;
     the run equals one that stores it in fp32 (``frozen_dtype=fp32``): upcasting bf16 is exact."""
     bf16_base = write_tiny_checkpoint(workdir / "base_llama_bf16", family="llama", dtype="bf16", seed=0)
@@ -597,9 +611,10 @@ def test_fp32_keeps_a_16_bit_checkpoints_frozen_weights_in_16_bit(workdir):
         "merged_dtype=fp32",  # [issue 18] the default is the checkpoint's bf16; compare the fp32 merges
     ]
     default, full = workdir / "frozen_default", workdir / "frozen_fp32"
-    log = tune_run(f"output_dir={default}", *common).stderr
-    assert "frozen embedding/output stored in torch.bfloat16" in log
-    tune_run(f"output_dir={full}", *common, "frozen_dtype=fp32")
+    with caplog.at_level(logging.INFO):
+        recipe_run(f"output_dir={default}", *common)
+    assert "frozen embedding/output stored in torch.bfloat16" in caplog.text
+    recipe_run(f"output_dir={full}", *common, "frozen_dtype=fp32")
     torch.testing.assert_close(losses(default), losses(full), rtol=1e-6, atol=0)
     merged, merged_full = (
         load_file(next((out / "step_3" / "merged").glob("*.safetensors"))) for out in (default, full)
