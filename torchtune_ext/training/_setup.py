@@ -119,7 +119,7 @@ class RecipeSetup(FTRecipeInterface):
 
     Raises:
         ValueError: on an unknown dtype or invalid settings (every cheap check runs here), ``fsdp_cpu_offload``
-            on the CPU or on one rank, or a ``global_batch_size`` that does not split over the ranks.
+            on the CPU (several ranks), or a ``global_batch_size`` that does not split over the ranks.
         RuntimeError: on bf16 where the device does not support it.
     """
 
@@ -171,8 +171,9 @@ class RecipeSetup(FTRecipeInterface):
         global_batch_size = positive_int(cfg, "global_batch_size", None)
         batch_size = per_rank_batch_size(self.settings.batch_size, global_batch_size, self.world_size)
         self.settings = replace(self.settings, batch_size=batch_size)  # per rank
-        self._fsdp_cpu_offload = bool(cfg.get("fsdp_cpu_offload", False))
-        check_fsdp_cpu_offload(self._fsdp_cpu_offload, self.settings.device, self.world_size)
+        self._fsdp_cpu_offload = bool(cfg.get("fsdp_cpu_offload", False)) and self.world_size > 1  # one rank: unsharded
+        if self._fsdp_cpu_offload:
+            check_fsdp_cpu_offload(self._fsdp_cpu_offload, self.settings.device, self.world_size)
         self._reshard_after_forward = bool(cfg.get("fsdp_reshard_after_forward", True))
         self.process_group_timeout_s = float(cfg.get("process_group_timeout_s", 1800))
         self._memory_peaks = MemoryPeaks(self.settings.device)  # logged per window, the run's in the summary
