@@ -1,5 +1,6 @@
 """The generate recipe end to end on the tiny default, as a user runs it after training; the validation loss on the
-console and in the training summary; the generation configs of every shipped model."""
+console and in the training summary; the generation configs of every shipped model. The training run is launched
+(``tune run``, as a user runs it); the generate recipe's runs call its entry point in this process."""
 
 import json
 import os
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_recipe, run_main
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torchtune import config as tt_config
@@ -25,7 +27,7 @@ TUNE = Path(sys.executable).parent / "tune"
 STEPS = 6
 
 
-def _tune(recipe: str, config: str, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+def _tune(recipe: str, config: str, *overrides: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [str(TUNE), "run", recipe, "--config", config, *overrides],
         cwd=REPO,
@@ -34,9 +36,16 @@ def _tune(recipe: str, config: str, *overrides: str, check: bool = True) -> subp
         text=True,
         timeout=600,
     )
-    if check and result.returncode != 0:
+    if result.returncode != 0:
         raise AssertionError(f"{recipe} failed:\n{result.stdout[-3000:]}\n{result.stderr[-4000:]}")
     return result
+
+
+def _generate(monkeypatch, capfd, *overrides: str) -> subprocess.CompletedProcess:
+    """``tune run recipes/generate.py --config configs/tiny/generation.yaml <overrides>`` in this process."""
+    recipe = REPO / "recipes" / "generate.py"
+    argv = [str(recipe), "--config", "configs/tiny/generation.yaml", *overrides]
+    return run_main(load_recipe(recipe).recipe_main, argv, monkeypatch, capfd, cwd=REPO)
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +90,18 @@ def test_validation_loss_on_the_console_and_in_the_summary(trained):
     )
 
 
-def test_generate_recipe_answers_the_held_out_prompts(trained):
+def test_generate_recipe_answers_the_held_out_prompts(trained, monkeypatch, capfd):
     tmp, _ = trained
     adapter = tmp / "out" / f"step_{STEPS}" / "adapter"
     answers = tmp / "answers.jsonl"
-    result = _tune(
-        "recipes/generate.py",
-        "configs/tiny/generation.yaml",
+    result = _generate(
+        monkeypatch,
+        capfd,
         f"checkpointer.checkpoint_dir={tmp / 'base'}",
         f"adapter_dir={adapter}",
         f"answers_file={answers}",
     )
-    assert "tokens/s" in result.stdout and "peak_rss" in result.stdout
+    assert result.returncode == 0 and "tokens/s" in result.stdout and "peak_rss" in result.stdout
     records = [json.loads(line) for line in answers.read_text().splitlines()]
     cfg = OmegaConf.load(CONFIGS / "tiny" / "generation.yaml")
     assert [r["prompt"] for r in records] == list(cfg.prompts)
@@ -138,15 +147,10 @@ def test_tune_ext_generate_with_a_prompts_file_and_a_dry_run(trained, capsys):
     assert ">>> Reverse: abcd" in out and "1 answer(s)" in out
 
 
-def test_missing_adapter_fails_before_loading_naming_it(trained):
+def test_missing_adapter_fails_before_loading_naming_it(trained, monkeypatch, capfd):
     tmp, _ = trained
-    result = _tune(
-        "recipes/generate.py",
-        "configs/tiny/generation.yaml",
-        f"checkpointer.checkpoint_dir={tmp / 'base'}",
-        f"adapter_dir={tmp / 'nowhere'}",
-        check=False,
-    )
+    base, nowhere = tmp / "base", tmp / "nowhere"
+    result = _generate(monkeypatch, capfd, f"checkpointer.checkpoint_dir={base}", f"adapter_dir={nowhere}")
     assert result.returncode == 2 and "Traceback" not in result.stderr  # before: a traceback, exit code 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("generate: error: ")]
     assert errors == [
@@ -157,18 +161,18 @@ def test_missing_adapter_fails_before_loading_naming_it(trained):
     assert "Loaded" not in result.stdout
 
 
-def test_a_command_line_prompt_may_hold_an_equals_sign(trained):
+def test_a_command_line_prompt_may_hold_an_equals_sign(trained, monkeypatch, capfd):
     """Before: torchtune's override parser refused it ("Command-line overrides must be in the form of key=value")."""
     tmp, _ = trained
-    result = _tune(
-        "recipes/generate.py",
-        "configs/tiny/generation.yaml",
+    result = _generate(
+        monkeypatch,
+        capfd,
         f"checkpointer.checkpoint_dir={tmp / 'base'}",
         f"adapter_dir={tmp / 'out' / f'step_{STEPS}' / 'adapter'}",
         "prompt=What is 2+2=?",
         "max_new_tokens=2",
     )
-    assert ">>> What is 2+2=?" in result.stdout and "1 answer(s)" in result.stdout
+    assert result.returncode == 0 and ">>> What is 2+2=?" in result.stdout and "1 answer(s)" in result.stdout
 
 
 SHIPPED = {
