@@ -3,8 +3,10 @@
 What it copies from that machine:
 
 - the Python: a fresh ``python -m venv`` (no system site-packages) whose only packages are those the lent machine's
-  image has (:data:`LENT_MACHINE_PACKAGES`, the device tool's list), linked from this project's venv (so torch is
-  this venv's CPU build, not 2.11 CUDA);
+  image has (:data:`LENT_MACHINE_PACKAGES`, the device tool's list), linked from the environment of the Python that
+  runs this script. From ``.venv`` that is torch 2.13 (CPU): run it with a Python whose environment holds torch
+  2.11 (PyPI's CUDA build imports on a CPU-only machine with its nvidia-* packages) to rehearse the lent machine's
+  torch too, as version-only breakages (a private torch name that 2.11 lacks) pass with 2.13;
 - the tree: only what the device call carries (``git ls-files --cached --others --exclude-standard``: tracked files
   and untracked files git does not ignore; no ``outputs/``, no ``.venv``), plus the wheelhouse;
 - the wheelhouse: ``bench/gpu_wheels.sh`` for this Python, installed by ``bench/gpu.sh`` itself with
