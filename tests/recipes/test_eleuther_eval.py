@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_recipe, run_main, run_recipe_in_process
 from omegaconf import OmegaConf
 
 from torchtune_ext._shipped import recipe_of
@@ -66,13 +67,16 @@ def _write_task(folder: Path) -> list:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eleuther")
-    _tune(
-        "recipes/qlora_finetune_single_device.py",
-        "configs/tiny/qlora_single_device.yaml",
-        f"output_dir={tmp / 'out'}",
-        f"checkpointer.checkpoint_dir={tmp / 'base'}",
-        f"max_steps_per_epoch={STEPS}",
-        "batch_size=4",
+    run_recipe_in_process(
+        REPO / "recipes" / "qlora_finetune_single_device.py",
+        ["--config", "configs/tiny/qlora_single_device.yaml"]
+        + [
+            f"output_dir={tmp / 'out'}",
+            f"checkpointer.checkpoint_dir={tmp / 'base'}",
+            f"max_steps_per_epoch={STEPS}",
+            "batch_size=4",
+        ],
+        cwd=REPO,
     )
     return tmp, _write_task(tmp / "tasks")
 
@@ -157,19 +161,21 @@ def test_configs_belong_to_the_recipe_and_bad_settings_fail_first():
             EleutherEvalRecipe(bad)
 
 
-def test_a_misspelt_task_prints_one_line_and_exits_2_before_loading(tmp_path):
-    """Before: the model loaded, then lm-eval raised a KeyError (a traceback, exit code 1)."""
+def test_a_misspelt_task_prints_one_line_and_exits_2_before_loading(tmp_path, monkeypatch, capfd):
+    """Before: the model loaded, then lm-eval raised a KeyError (a traceback, exit code 1). In this process: the
+    entry point as ``tune run`` calls it."""
     _write_task(tmp_path / "tasks")
     written = tmp_path / "results.json"
-    result = subprocess.run(
-        [str(TUNE), "run", "recipes/eleuther_eval.py", "--config", "configs/tiny/eleuther_eval.yaml"]
+    recipe = REPO / "recipes" / "eleuther_eval.py"
+    result = run_main(
+        load_recipe(recipe).recipe_main,
+        [str(recipe), "--config", "configs/tiny/eleuther_eval.yaml"]
         + [f"checkpointer.checkpoint_dir={tmp_path / 'base'}", "adapter_dir=null", f"output_file={written}"]
         + ["tasks=[tiny_choise]", f"include_path={tmp_path / 'tasks'}"],
+        monkeypatch,
+        capfd,
         cwd=REPO,
-        env={**os.environ, **OFFLINE},
-        capture_output=True,
-        text=True,
-        timeout=600,
+        **OFFLINE,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "Traceback" not in output, output[-4000:]
