@@ -217,7 +217,7 @@ class Generator:
         ids = torch.tensor([tokens], device=self.device)
         if not settings.use_cache:
             for _ in range(budget):
-                token = sample_next_token(self.model(ids)[:, -1], settings, generator)
+                token = sample_next_token(self._last_logits(ids), settings, generator)
                 yield int(token)
                 ids = torch.cat([ids, token.view(1, 1)], dim=1)
             return
@@ -230,18 +230,33 @@ class Generator:
             length = len(tokens)
             for start in range(0, length, self.prefill_chunk):
                 chunk = slice(start, min(start + self.prefill_chunk, length))
-                logits = self.model(ids[:, chunk], input_pos=positions[None, chunk], mask=causal[None, chunk])
+                logits = self._last_logits(ids[:, chunk], positions[None, chunk], causal[None, chunk])
             for step in range(budget):
-                token = sample_next_token(logits[:, -1], settings, generator)
+                token = sample_next_token(logits, settings, generator)
                 yield int(token)
                 if step == budget - 1:
                     break
-                pos = length + step
-                logits = self.model(
-                    token.view(1, 1), input_pos=positions[None, pos : pos + 1], mask=causal[None, pos : pos + 1]
-                )
+                at = slice(length + step, length + step + 1)
+                logits = self._last_logits(token.view(1, 1), positions[None, at], causal[None, at])
         finally:
             delete_kv_caches(self.model)
+
+    def _last_logits(
+        self, ids: torch.Tensor, input_pos: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """``(batch, vocab)`` logits of the last position of a forward (cached: with ``input_pos`` and ``mask``;
+        else the whole sequence). A decoder with the ``skip_output_layer`` switch (ours) projects that position only
+        (a prompt's other positions need no logits: transformers' ``generate`` skips them too), whatever the switch
+        was left at (the training loss sets it); any other gets torchtune's logits of every position."""
+        if not hasattr(self.model, "skip_output_layer"):
+            return self.model(ids, input_pos=input_pos, mask=mask)[:, -1]
+        skipped = self.model.skip_output_layer  # the training loss may have set it (and expects it kept)
+        self.model.skip_output_layer = True
+        try:
+            hidden = self.model(ids, input_pos=input_pos, mask=mask)
+        finally:
+            self.model.skip_output_layer = skipped
+        return self.model.output(hidden[:, -1]).float()
 
 
 def check_chat_prompt(tokenizer: Any, component: str) -> None:
