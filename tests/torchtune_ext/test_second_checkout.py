@@ -82,6 +82,20 @@ def test_a_second_checkout_applies_its_own_compat_hook(checkouts):
     assert Path(_run([str(python), "-c", code], b).strip()) == b / "torchtune_ext" / "_compat" / "__init__.py"
 
 
+def test_a_second_checkout_ships_its_own_recipes_and_configs(checkouts):
+    """``torchtune_ext.recipes`` / ``.configs`` (what ``tune-ext ls/run`` read) are B's folders, not A's."""
+    python, _, b = checkouts
+    code = (
+        "from torchtune_ext._shipped import config_files, recipe_files\n"
+        "print(recipe_files()['qlora_finetune_single_device']); print(config_files()['tiny/qlora_single_device'])"
+    )
+    recipe, config = _run([str(python), "-c", code], b).split()
+    assert (Path(recipe), Path(config)) == (
+        b / "recipes" / "qlora_finetune_single_device.py",
+        b / "configs" / "tiny" / "qlora_single_device.yaml",
+    )
+
+
 def test_pytest_in_a_second_checkout_tests_its_own_code(checkouts):
     python, _, b = checkouts
     test = b / "tests" / "test_which_checkout.py"

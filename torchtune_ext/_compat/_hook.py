@@ -4,10 +4,10 @@ The aliases must exist after torchao has fully imported and before the first ``i
 recipe registry and launcher get their registrations as they are imported. :class:`_CompatFinder`, first on
 ``sys.meta_path``, acts on those imports: before ``import torchtune`` it imports torchao and calls :func:`apply`
 (the warning filters before ``import torchao``); it gives ``torchtune._recipe_registry`` and ``torchtune._cli.run``
-their registrations as they load; ``recipes`` resolves to the working folder's package
-(``torchtune_ext._compat._recipes_package``); and it gives torchao's NF4 module under its old name
-(``torchao.dtypes.nf4tensor``, which torchtune 0.6.1 and its tests import) on a torchao that moved it, imported
-first or after torchtune alike. It finds nothing itself otherwise.
+their registrations as they load; ``recipes`` resolves to the working folder's package, and a source checkout's
+``torchtune_ext.recipes`` / ``.configs`` to its own folders (``torchtune_ext._compat._recipes_package``); and it
+gives torchao's NF4 module under its old name (``torchao.dtypes.nf4tensor``, which torchtune 0.6.1 and its tests
+import) on a torchao that moved it, imported first or after torchtune alike. It finds nothing itself otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 from torchtune_ext._compat._launcher import _exit_like_interrupted_workers
 from torchtune_ext._compat._nf4_ops import register_nf4_ops
-from torchtune_ext._compat._recipes_package import local_recipes_spec
+from torchtune_ext._compat._recipes_package import CHECKOUT_PACKAGES, checkout_package_spec, local_recipes_spec
 from torchtune_ext._compat._registry import register_recipes
 from torchtune_ext._compat._torchao import NF4_MODULES, alias_module, apply_torchao_aliases
 from torchtune_ext._compat._warnings import quiet_known_warnings
@@ -88,8 +88,8 @@ class _MovedModule(importlib.abc.Loader):
 class _CompatFinder(importlib.abc.MetaPathFinder):
     """Applies :func:`apply` before the first ``import torchtune`` (and the warning filters before ``import
     torchao``); registers as :data:`_ON_IMPORT` says; resolves ``recipes`` to the working folder's package where
-    torchtune's placeholder would shadow it; gives torchao's NF4 module under its old name where the installed
-    torchao moved it. Finds nothing itself otherwise."""
+    torchtune's placeholder would shadow it, and a source checkout's recipes and configs to its own; gives
+    torchao's NF4 module under its old name where the installed torchao moved it. Finds nothing itself otherwise."""
 
     def find_spec(
         self, fullname: str, path: Optional[Sequence[str]], target: Optional[types.ModuleType] = None
@@ -102,6 +102,8 @@ class _CompatFinder(importlib.abc.MetaPathFinder):
             return _registering_spec(fullname, path)
         elif fullname == "recipes":
             return local_recipes_spec()
+        elif fullname in CHECKOUT_PACKAGES:
+            return checkout_package_spec(fullname)
         elif fullname == NF4_MODULES[0] and importlib.machinery.PathFinder.find_spec(fullname, path) is None:
             return importlib.machinery.ModuleSpec(fullname, _MovedModule(NF4_MODULES[1]))
         return None

@@ -1,4 +1,5 @@
-"""``tune run recipes/<recipe>.py`` from a clone: ``import recipes`` gives the working folder's package.
+"""The recipes of the checkout in use: ``import recipes`` gives the working folder's package under ``tune run
+recipes/<recipe>.py``, and a source checkout's ``torchtune_ext.recipes`` / ``.configs`` are its own folders.
 
 ``tune`` turns the path into the module ``recipes.<recipe>`` and appends the working folder to ``sys.path``, after
 site-packages, where torchtune installs a placeholder ``recipes`` package whose ``__init__`` only raises ("The
@@ -6,6 +7,11 @@ torchtune recipes directory isn't a package"). When that placeholder is what ``i
 working folder has a ``recipes/__init__.py``, the import hook returns the working folder's package instead
 (:func:`local_recipes_spec`); without one, an error that names the fix. Nothing importable changes: the placeholder
 can never be imported.
+
+``setup.py`` installs the checkout's root ``recipes/`` and ``configs/`` as ``torchtune_ext.recipes`` and
+``torchtune_ext.configs``; an editable install maps them to the installed checkout's folders. Where ``torchtune_ext``
+was imported from another source checkout (a second clone testing its own code, a tree on ``PYTHONPATH``), they are
+that checkout's folders (:func:`checkout_package_spec`), so ``tune-ext ls/run`` list and run its own recipes.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import sys
 import types
 from pathlib import Path
 from typing import Optional
@@ -52,3 +59,21 @@ def local_recipes_spec() -> Optional[importlib.machinery.ModuleSpec]:
     if not local.is_file():
         return importlib.machinery.ModuleSpec("recipes", _NoRecipesHere())
     return importlib.util.spec_from_file_location("recipes", local, submodule_search_locations=[str(local.parent)])
+
+
+#: the subpackages ``setup.py`` makes of a checkout's root folders.
+CHECKOUT_PACKAGES = {"torchtune_ext.recipes": "recipes", "torchtune_ext.configs": "configs"}
+
+
+def checkout_package_spec(fullname: str) -> Optional[importlib.machinery.ModuleSpec]:
+    """The root folder of the source checkout ``torchtune_ext`` was imported from, as the package ``fullname`` (one
+    of :data:`CHECKOUT_PACKAGES`); None for an installed package (which holds it) or outside a checkout."""
+    origin = getattr(sys.modules.get("torchtune_ext"), "__file__", None)
+    if origin is None:
+        return None
+    package = Path(origin).parent
+    folder = package.parent / CHECKOUT_PACKAGES[fullname]
+    init = folder / "__init__.py"
+    if (package / folder.name).exists() or not (package.parent / "setup.py").is_file() or not init.is_file():
+        return None
+    return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[str(folder)])
