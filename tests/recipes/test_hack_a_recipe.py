@@ -91,7 +91,10 @@ def plain(tmp_path_factory) -> Path:
 
 
 @pytest.mark.integration_test
-@pytest.mark.parametrize("nproc, name", [(1, SINGLE_DEVICE_RECIPE), (2, DISTRIBUTED_RECIPE)])
+@pytest.mark.parametrize(
+    "nproc, name",
+    [(1, SINGLE_DEVICE_RECIPE), pytest.param(2, DISTRIBUTED_RECIPE, marks=pytest.mark.distributed)],
+)
 def test_a_copy_with_the_loss_edited_in_its_loop_trains_so_on_one_and_two_ranks(tmp_path, plain, nproc, name):
     recipe = _copy(name, tmp_path / "hacked")
     source = recipe.read_text()
