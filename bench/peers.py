@@ -322,11 +322,13 @@ def _generate_ours(args, prep: Dict[str, Any]) -> Dict[str, Any]:
     generator = Generator(model, _NoTokenizer(), torch.float32, torch.device(args.device))
     settings = SamplingSettings(max_new_tokens=args.new_tokens, ignore_eos=True)
     seconds, answers = 0.0, []
+    cpu_start = time.process_time()
     for prompt in _prompts(args, prep):
         answer = generator.generate(prompt, settings)
         seconds += answer.seconds
         answers.append(answer.tokens)
-    return {"seconds": seconds, "answers": answers, "peak_bytes": _peak(args.device)}
+    cpu_seconds = time.process_time() - cpu_start
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "answers": answers, "peak_bytes": _peak(args.device)}
 
 
 def _generate_peer(args, side: str, prep: Dict[str, Any]) -> Dict[str, Any]:
@@ -337,6 +339,7 @@ def _generate_peer(args, side: str, prep: Dict[str, Any]) -> Dict[str, Any]:
     model.generation_config.eos_token_id = None
     device = torch.device(args.device)
     seconds, answers = 0.0, []
+    cpu_start = time.process_time()
     with torch.no_grad():
         for prompt in _prompts(args, prep):
             ids = torch.tensor([prompt], device=device)
@@ -352,7 +355,8 @@ def _generate_peer(args, side: str, prep: Dict[str, Any]) -> Dict[str, Any]:
             sync(device)
             seconds += time.perf_counter() - start
             answers.append(out[0, len(prompt) :].tolist())
-    return {"seconds": seconds, "answers": answers, "peak_bytes": _peak(args.device)}
+    cpu_seconds = time.process_time() - cpu_start
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "answers": answers, "peak_bytes": _peak(args.device)}
 
 
 def worker(args) -> Dict[str, Any]:
@@ -439,8 +443,12 @@ def bench_shape(args, shape: str) -> List[str]:
                 run = _try_worker(args, shape, "generate", side, prep)
                 if run is not None:
                     new = sum(len(a) for a in run["answers"])
-                    gen[side].append({"tokens_per_s": new / run["seconds"], "peak_bytes": run["peak_bytes"], **run})
-                    print(f"{shape} generate {side}: {gen[side][-1]['tokens_per_s']:.2f} tok/s", flush=True)
+                    cpu = new / run["cpu_seconds"]
+                    gen[side].append({"tokens_per_s": new / run["seconds"], "cpu_tokens_per_s": cpu, **run})
+                    print(
+                        f"{shape} generate {side}: {gen[side][-1]['tokens_per_s']:.2f} tok/s, {cpu:.2f} per CPU s",
+                        flush=True,
+                    )
     sides = [s for s in sides if train[s]]
     gen = {s: runs for s, runs in gen.items() if runs}
     lines = []
@@ -456,12 +464,17 @@ def bench_shape(args, shape: str) -> List[str]:
             )
     if not args.skip_generate and gen:
         best = {s: _best(gen[s], "tokens_per_s", lower=False) for s in gen}
+        cpu = {s: _best(gen[s], "cpu_tokens_per_s", lower=False) for s in gen}
         ref = best.get("bnb", next(iter(best.values())))
+        ref_cpu = cpu.get("bnb", next(iter(cpu.values())))
         for side, b in best.items():
             same = _agreement(b["answers"], ref["answers"])
+            per_cpu = ", ".join(f"{x:.2f}" for x in cpu[side]["all"])
             lines.append(
                 f"| {shape} | generate | {LABELS[side]} | {b['tokens_per_s']:.2f} tok/s "
-                f"({', '.join(f'{x:.2f}' for x in b['all'])}) | {ref['tokens_per_s'] / b['tokens_per_s']:.2f}x | - | "
+                f"({', '.join(f'{x:.2f}' for x in b['all'])}); per CPU second {per_cpu} | "
+                f"{ref['tokens_per_s'] / b['tokens_per_s']:.2f}x (CPU "
+                f"{ref_cpu['cpu_tokens_per_s'] / cpu[side]['cpu_tokens_per_s']:.2f}x) | - | "
                 f"{b['peak_bytes'] / GIB:.2f} GiB | {b['peak_bytes'] / ref['peak_bytes']:.2f}x | "
                 f"{same:.0%} of tokens as bnb's |"
             )

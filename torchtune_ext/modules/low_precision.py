@@ -115,6 +115,17 @@ def _compute_dtype(input: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.d
     return input.dtype
 
 
+def _linear_nf4_forward(input: torch.Tensor, weight: NF4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``input @ dequant(weight).T`` in ``dtype``: slab by slab on CPU (see :class:`LinearNF4`)."""
+    plan = _slab_plan(weight)
+    tokens = input.numel() // max(weight.shape[1], 1)
+    rows = plan[0] if plan is not None else _small_batch_rows(weight, tokens)
+    if rows is None:
+        return F.linear(input.to(dtype), dequantize_nf4(weight, dtype))
+    x = input.to(dtype).reshape(-1, weight.shape[1])
+    return _linear_slabs(x, weight, rows).view(*input.shape[:-1], weight.shape[0])
+
+
 class LinearNF4(torch.autograd.Function):
     """``y = x @ dequant(W).T`` in an explicit compute dtype, saving only the NF4 weight for backward.
 
@@ -128,13 +139,7 @@ class LinearNF4(torch.autograd.Function):
     def forward(ctx: Any, input: torch.Tensor, weight: NF4Tensor, dtype: torch.dtype) -> torch.Tensor:
         ctx.save_for_backward(weight)
         ctx.compute_dtype = dtype
-        plan = _slab_plan(weight)
-        tokens = input.numel() // max(weight.shape[1], 1)
-        rows = plan[0] if plan is not None else _small_batch_rows(weight, tokens)
-        if rows is None:
-            return F.linear(input.to(dtype), dequantize_nf4(weight, dtype))
-        x = input.to(dtype).reshape(-1, weight.shape[1])
-        return _linear_slabs(x, weight, rows).view(*input.shape[:-1], weight.shape[0])
+        return _linear_nf4_forward(input, weight, dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
@@ -168,6 +173,10 @@ def linear_nf4(input: torch.Tensor, weight: NF4Tensor, dtype: Optional[torch.dty
     """
     check_float_dtype(dtype)
     compute_dtype = _compute_dtype(input, dtype)
+    if not torch.is_grad_enabled() and not torch.is_autocast_enabled(input.device.type):
+        # inference: no graph to record (the autograd.Function's bookkeeping costs a decoded token's small linears
+        # more than their matmuls)
+        return _linear_nf4_forward(input, weight, compute_dtype)
     with torch.autocast(input.device.type, enabled=False):
         return LinearNF4.apply(input, weight, compute_dtype)
 
