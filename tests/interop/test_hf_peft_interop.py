@@ -35,6 +35,7 @@ from typing import Any, Dict, Optional, Tuple
 import pytest
 import torch
 from _hf_runner import ROOT, hf_logits
+from conftest import run_recipe_in_process
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
@@ -130,16 +131,18 @@ def _train(case: Case, out: Path, base: Path) -> DictConfig:
         f"metric_logger.log_dir={out}/logs",
         *case.overrides,
     ]
-    nproc = ["--nproc_per_node", str(case.nproc)] if case.nproc else []
-    result = subprocess.run(
-        [str(TUNE), "run", *nproc, case.recipe, "--config", case.config, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env={**os.environ, "OMP_NUM_THREADS": "1" if case.nproc else "2"},
-    )
-    assert result.returncode == 0, f"recipe run failed (rc {result.returncode}):\n{result.stderr[-6000:]}"
+    if case.nproc:
+        result = subprocess.run(
+            [str(TUNE), "run", "--nproc_per_node", str(case.nproc), case.recipe, "--config", case.config, *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert result.returncode == 0, f"recipe run failed (rc {result.returncode}):\n{result.stderr[-6000:]}"
+    else:
+        run_recipe_in_process(ROOT / case.recipe, ["--config", case.config, *args], cwd=ROOT)
     return OmegaConf.merge(OmegaConf.load(ROOT / case.config), OmegaConf.from_dotlist(args))
 
 
