@@ -127,7 +127,8 @@ def test_the_filters_remove_the_warnings_that_appear_without_them(tmp_path):
     script = (
         "import sys\n"
         "if sys.argv[1] == 'off':\n"
-        "    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_CompatFinder']\n"
+        "    sys.meta_path[:] = [f for f in sys.meta_path\n"
+        "                        if type(f).__name__ not in ('_StartupFinder', '_CompatFinder')]\n"
         "import torchao, torchao.quantization\n"
         "from torchdata.stateful_dataloader import StatefulDataLoader\n"
         "StatefulDataLoader([1, 2])\n"
