@@ -7,6 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from recipes.qlora_finetune_single_device import QLoRAFinetuneRecipe
 from torchtune_ext.checkpoint import (
     _safetensors,
     count_saves,
@@ -20,7 +21,6 @@ from torchtune_ext.checkpoint import (
 from torchtune_ext.config import ConfigError
 from torchtune_ext.data import write_tiny_checkpoint
 from torchtune_ext.models import qlora_tiny_llama
-from torchtune_ext.training import QLoRARecipe
 
 LORA = dict(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True, lora_rank=8, lora_alpha=16)
 
@@ -105,7 +105,7 @@ def test_dry_run_states_disk_and_the_kept_id_pass(tmp_path, capsys):
             ]
         ),
     )
-    report = QLoRARecipe(cfg).dry_run(cfg)
+    report = QLoRAFinetuneRecipe(cfg).dry_run(cfg)
     assert "Disk: up to" in report and "2 step folder(s)" in report and "1 merged model(s)" in report
     assert "the kept-id pass reads" in report and "measured on" in report
 
@@ -123,7 +123,7 @@ def test_dry_run_names_why_the_data_is_not_readable_in_full(tmp_path):
             ]
         ),
     )
-    report = QLoRARecipe(cfg).dry_run(cfg)
+    report = QLoRAFinetuneRecipe(cfg).dry_run(cfg)
     line = next(line for line in report.splitlines() if "data not readable yet" in line)
     # The whole reason and its fix, not cut at a fixed width (it was cut mid-word).
     assert str(missing) in line and line.endswith("(e.g. tokenizer.path=<checkpoint_dir>/tokenizer.model)."), line

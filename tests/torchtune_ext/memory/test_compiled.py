@@ -25,6 +25,7 @@ from torchtune.models.llama3_2 import lora_llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
+from recipes.qlora_finetune_single_device import QLoRAFinetuneRecipe
 from torchtune_ext.memory import (
     MemoryEstimator,
     adamw_factory,
@@ -39,7 +40,6 @@ from torchtune_ext.memory import (
 from torchtune_ext.memory._compiled import _decompositions
 from torchtune_ext.memory._fake import accelerator_code_path
 from torchtune_ext.models import qlora_tiny_llama
-from torchtune_ext.training import QLoRARecipe
 
 LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)
 LORA.update(lora_rank=8, lora_alpha=16)
@@ -237,7 +237,7 @@ def test_our_recipe_dry_run_with_compile_estimates_the_compiled_step():
     reports = {}
     for compile in (False, True):
         cfg = _cfg(f"compile={compile}", "tokenizer.max_seq_len=128", "device_memory_gb=16", "host_memory_gb=64")
-        reports[compile] = QLoRARecipe(cfg).dry_run(cfg)
+        reports[compile] = QLoRAFinetuneRecipe(cfg).dry_run(cfg)
     assert "compile=True: the decoder layers estimated as torch.compile runs them" in reports[True]
     assert "compile=True" not in reports[False]
     assert reports[True].splitlines()[1] != reports[False].splitlines()[1]  # the peak: the compiled step's own

@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_estimator import KIB, _cfg, _estimator
 
+from recipes.qlora_finetune_single_device import QLoRAFinetuneRecipe
 from torchtune_ext.config import ConfigError
 from torchtune_ext.memory import (
     GIB,
@@ -22,15 +23,16 @@ from torchtune_ext.memory import (
     pinned_bytes,
 )
 from torchtune_ext.models import TINY_LLAMA_ARGS
-from torchtune_ext.training import QLoRARecipe
 
 
 def test_t4_profile_refuses_bf16_before_any_estimate(monkeypatch):
     """The recipe's settings refuse it (a dry run and a real run alike), before any estimate."""
-    monkeypatch.setattr(QLoRARecipe, "memory_estimator", lambda *a: pytest.fail("estimated before refusing bf16"))
+    monkeypatch.setattr(
+        QLoRAFinetuneRecipe, "memory_estimator", lambda *a: pytest.fail("estimated before refusing bf16")
+    )
     for dry_run in (True, False):
         with pytest.raises(ConfigError, match="bf16.*t4"):
-            QLoRARecipe(_cfg("dtype=bf16", "device_profile=t4", f"dry_run={dry_run}"))
+            QLoRAFinetuneRecipe(_cfg("dtype=bf16", "device_profile=t4", f"dry_run={dry_run}"))
 
 
 @pytest.mark.parametrize(

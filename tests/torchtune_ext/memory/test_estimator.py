@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torchtune.models.llama3_2 import lora_llama3_2
 
+from recipes.qlora_finetune_single_device import QLoRAFinetuneRecipe
 from torchtune_ext.memory import (
     CATEGORIES,
     GIB,
@@ -34,7 +35,6 @@ from torchtune_ext.memory import (
 from torchtune_ext.models import TINY_LLAMA_ARGS, materialize_, qlora_llama3_2_1b
 from torchtune_ext.modules import FrozenNF4Linear, share_rope_
 from torchtune_ext.training import (
-    QLoRARecipe,
     build_qlora_model,
     default_adapter_dtype,
     frozen_weights_dtype,
@@ -67,13 +67,13 @@ def _dtypes(cfg: DictConfig) -> Tuple[torch.dtype, torch.dtype, torch.dtype]:
 
 def _estimator(cfg: DictConfig) -> MemoryEstimator:
     """The recipe's own estimator for ``cfg`` (fake tensors)."""
-    return QLoRARecipe(cfg).memory_estimator(cfg)
+    return QLoRAFinetuneRecipe(cfg).memory_estimator(cfg)
 
 
 def _real_estimator(cfg: DictConfig) -> MemoryEstimator:
     """The recipe's same step on a real model materialized on the CPU from ``cfg``'s ``model:`` section."""
     model = materialize_(build_qlora_model(cfg.model, *_dtypes(cfg)), "cpu", seed=0)
-    return QLoRARecipe(cfg).memory_estimator(cfg, model=model)
+    return QLoRAFinetuneRecipe(cfg).memory_estimator(cfg, model=model)
 
 
 def _fake_and_real(cfg: DictConfig, batch_size: int, seq_len: int) -> Tuple[MemoryEstimate, MemoryEstimate]:
@@ -387,7 +387,7 @@ def test_the_dry_run_leaves_the_recipe_untouched_and_runs_its_overrides():
     live recipe keeps every attribute it had (no model, loss or optimizer of the estimate on it)."""
     calls = []
 
-    class Hacked(QLoRARecipe):
+    class Hacked(QLoRAFinetuneRecipe):
         def loss_step(self, batch):
             calls.append(batch["tokens"].shape)
             return super().loss_step(batch)

@@ -15,6 +15,7 @@ from conftest import run_distributed
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.qlora_finetune_distributed import QLoRAFinetuneRecipeDistributed
+from recipes.qlora_finetune_single_device import QLoRAFinetuneRecipe
 from torchtune_ext.config import ConfigError
 from torchtune_ext.memory import (
     GIB,
@@ -28,7 +29,6 @@ from torchtune_ext.memory import (
 )
 from torchtune_ext.models import materialize_
 from torchtune_ext.training import (
-    QLoRARecipe,
     build_qlora_model,
     default_adapter_dtype,
     frozen_weights_dtype,
@@ -109,7 +109,7 @@ def test_host_ram_of_the_ranks_on_one_machine_is_their_sum(capsys):
     seq_len = 100  # each layer input 2 x 100 x 256 x 2 bytes: a pinned block of 131,072 bytes rounds it up
     settings = ["dtype=fp16", "enable_activation_checkpointing=True", "enable_activation_offloading=True"]
     cfg = _cfg(*settings, "host_memory_gb=64", f"batch_size={BATCH}", f"tokenizer.max_seq_len={seq_len}")
-    single = QLoRARecipe(cfg).memory_estimator(cfg).estimate(BATCH, seq_len)  # one rank, no process group
+    single = QLoRAFinetuneRecipe(cfg).memory_estimator(cfg).estimate(BATCH, seq_len)  # one rank, no process group
     assert single.pinned_host_bytes > single.host_bytes > 0
     with collect_rank_hosts() as ranks:
         reports = per_rank_dry_run(QLoRAFinetuneRecipeDistributed, cfg)

@@ -10,10 +10,10 @@ from omegaconf import OmegaConf
 from torchtune.models.gemma2._attention import Gemma2Attention
 from torchtune.modules import MultiHeadAttention
 
+from recipes.qlora_finetune_single_device import QLoRAFinetuneRecipe
 from torchtune_ext.memory._tracker import BUFFERS
 from torchtune_ext.models import QLORA_BUILDERS, lora_tiny_llama, lora_tiny_qwen
 from torchtune_ext.modules import share_rope_
-from torchtune_ext.training import QLoRARecipe
 
 LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)
 
@@ -71,7 +71,7 @@ def test_the_estimate_counts_one_cache_of_the_run_length():
         ),
     )
     cfg.model._component_ = "torchtune_ext.models.qlora_tiny_qwen"
-    estimate = QLoRARecipe(cfg).memory_estimator(cfg).estimate(1, 96)
+    estimate = QLoRAFinetuneRecipe(cfg).memory_estimator(cfg).estimate(1, 96)
     head_dim = 256 // 4
     one_cache = 96 * head_dim * 2 * 4  # fp32 (cos, sin) rows of head_dim each
     theta = 512  # head_dim / 2 fp32 frequencies, one 512-byte block
