@@ -164,9 +164,7 @@ def _lent_python(work: Path) -> Path:
     return venv
 
 
-def rehearse(
-    work: Path, limit_scale: int, budget: int, commit: Optional[str] = None, wheels_python: str = sys.executable
-) -> int:
+def rehearse(work: Path, limit_scale: int, budget: int, commit: Optional[str] = None) -> int:
     """Builds the target and runs ``bench/gpu.sh`` in it; returns the number of steps not ``ok``.
 
     Args:
@@ -174,7 +172,6 @@ def rehearse(
         limit_scale (int): the steps' time limits times this (a loaded 2-core CPU is slower than the GPU machine).
         budget (int): the run's budget in seconds (``bench/gpu.sh``'s ``BUDGET``).
         commit (Optional[str]): rehearse this commit's files instead of the working tree's.
-        wheels_python (str): the Python that downloads and builds the wheelhouse (pip, setuptools >= 77).
 
     Returns:
         int: failed or skipped steps (0: the run would go through).
@@ -184,7 +181,7 @@ def rehearse(
     tree = work / "tree"
     _copy_tree(tree, commit)
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    wheels_env = {**os.environ, "DEST": str(tree / "gpu_wheels"), "PYTHON_VERSION": version, "PY": wheels_python}
+    wheels_env = {**os.environ, "DEST": str(tree / "gpu_wheels"), "PYTHON_VERSION": version, "PY": sys.executable}
     subprocess.run(["bash", str(tree / "bench" / "gpu_wheels.sh")], env=wheels_env, check=True)
     venv = _lent_python(work)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
@@ -216,13 +213,8 @@ def main() -> None:
     parser.add_argument("--limit-scale", type=int, default=4)
     parser.add_argument("--budget", type=int, default=1800)
     parser.add_argument("--commit", default=None, help="rehearse this commit's files (default: the working tree)")
-    parser.add_argument(
-        "--wheels-python",
-        default=sys.executable,
-        help="builds the wheelhouse (default: this Python; needs setuptools>=77)",
-    )
     args = parser.parse_args()
-    sys.exit(1 if rehearse(Path(args.work), args.limit_scale, args.budget, args.commit, args.wheels_python) else 0)
+    sys.exit(1 if rehearse(Path(args.work), args.limit_scale, args.budget, args.commit) else 0)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ rm -rf "$DEST" && mkdir -p "$DEST"
 "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform any -d "$DEST" "${WHEELS[@]}" 2> >(grep -v "is ignored: it is neither" >&2)
-# setuptools' build warnings go to a log; shown only if the build fails.
-"$PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$DEST" . 2>/tmp/gpu_wheels_build.log ||
+# setuptools' build warnings go to a log; shown only if the build fails. Build isolation: any Python with pip builds
+# it (pyproject.toml needs setuptools>=77; a venv with PyPI's torch 2.11 has an older one).
+"$PY" -m pip wheel --quiet --no-deps -w "$DEST" . 2>/tmp/gpu_wheels_build.log ||
   { cat /tmp/gpu_wheels_build.log >&2; exit 1; }
 ls -1 "$DEST"
 du -sh "$DEST"
