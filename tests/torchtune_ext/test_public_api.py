@@ -168,10 +168,6 @@ def test_the_circle_finder_finds_a_circle():
     assert _circles(graph) == [["a", "b", "c"]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="training/_dry_run imports training/_recipe back (its owner removes it; then this marker goes)",
-)
 def test_no_import_circle():
     assert _circles(_import_graph()) == []
 

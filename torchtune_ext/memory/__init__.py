@@ -6,26 +6,29 @@ device, counts every storage the ops create and free, and reports the peak as ``
 would, with a breakdown at the peak and allowances for what torch's allocator does not count.
 
 The model, its set-up, the loss, the optimizer and the step are all arguments, and the set-up and step are
-required: an estimate runs a recipe's own code, never an imitation of it. Our recipe hands its own over in
-``torchtune_ext.training.QLoRARecipe.memory_estimator(cfg)``: the model built from the config's ``model:`` section
-on meta, prepared as for training (trainable adapters, activation checkpointing, the loss, activation offloading as
-:class:`OffloadedActivations`), and the recipe's ``forward_backward`` / ``optimizer_step`` with its configured
-optimizer, so that its settings (16-bit frozen weights under fp32, a loss that never holds the logits, activation
-offloading) show in the estimate without changes here. :func:`recipe_step_estimator` runs that step on its own
-copy of the recipe (a subclass's overrides included), never rewriting the live recipe. From the command line,
-``dry_run=True`` prints it::
+required: an estimate runs a recipe's own code, never an imitation of it. The step lives in the recipe file, so the
+estimate takes the recipe (the file's class, or a copy's) as an argument: :func:`recipe_step_estimator` runs its
+``forward_backward`` / ``optimizer_step`` on its own copy of the recipe (a subclass's overrides included), never
+rewriting the live recipe, and :func:`per_rank_dry_run` takes the class to build each rank's. The recipe file's
+class hands its own over in ``memory_estimator(cfg)``: the model built from the config's ``model:`` section on meta,
+prepared as for training (trainable adapters, activation checkpointing, the loss, activation offloading as
+:class:`OffloadedActivations`), and the file's step with its configured optimizer, so that its settings (16-bit
+frozen weights under fp32, a loss that never holds the logits, activation offloading) show in the estimate without
+changes here. The library's ``torchtune_ext.training.QLoRARecipe`` has no step: estimating it raises a ``TypeError``
+that names the class to estimate (:func:`check_recipe_step`). From the command line, ``dry_run=True`` prints it::
 
     tune run recipes/qlora_finetune_single_device.py --config configs/llama3_1/8B_qlora_single_device.yaml \
         dry_run=True dtype=fp32 device_memory_gb=15
 
-or from Python (``dry_run=True`` skips the checks of a device this machine does not have)::
+or from Python in a clone (after a ``pip install`` the file is ``torchtune_ext.recipes.qlora_finetune_single_device``;
+``dry_run=True`` skips the checks of a device this machine does not have)::
 
     from omegaconf import OmegaConf
-    from torchtune_ext.training import QLoRARecipe
+    from recipes.qlora_finetune_single_device import QLoRAFinetuneRecipe
 
     cfg = OmegaConf.merge(OmegaConf.load("configs/llama3_1/8B_qlora_single_device.yaml"),
                           OmegaConf.from_dotlist(["dry_run=True", "dtype=fp32", "enable_activation_offloading=True"]))
-    estimator = QLoRARecipe(cfg).memory_estimator(cfg)
+    estimator = QLoRAFinetuneRecipe(cfg).memory_estimator(cfg)
     print(estimator.estimate(batch_size=1, seq_len=2048))
     estimator.max_seq_len_that_fits(16)  # GiB
 
@@ -65,7 +68,7 @@ from torchtune_ext.memory._estimator import MemoryEstimator
 from torchtune_ext.memory._fake import accelerator_code_path, to_fake_model
 from torchtune_ext.memory._offload import OffloadedActivations
 from torchtune_ext.memory._per_rank import dry_run_world_size, fake_process_group, per_rank_dry_run
-from torchtune_ext.memory._recipe_step import RecipeStep, recipe_step_estimator
+from torchtune_ext.memory._recipe_step import RecipeStep, check_recipe_step, recipe_step_estimator
 from torchtune_ext.memory._steps import (
     OptimizerFactory,
     Setup,
@@ -111,6 +114,7 @@ __all__ = [
     "flex_or_sdpa_attention",
     "packed_batch",
     "accelerator_code_path",
+    "check_recipe_step",
     "adamw_factory",
     "count_as_host",
     "flex_attention_backward_workspace",

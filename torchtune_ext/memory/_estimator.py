@@ -84,9 +84,9 @@ class MemoryEstimator:
     a batch of ``batch_size`` sequences padded to ``seq_len``, under a tracker that counts every storage the ops
     create and free.
 
-    The set-up and the step are the recipe's own, never an imitation: our recipe's come with
-    ``torchtune_ext.training.QLoRARecipe.memory_estimator(cfg)``, torchtune's are :func:`torchtune_setup` and
-    :func:`torchtune_train_step`.
+    The set-up and the step are the recipe's own, never an imitation: our recipe's come with the recipe file's
+    ``QLoRAFinetuneRecipe(cfg).memory_estimator(cfg)`` (:func:`~torchtune_ext.memory.recipe_step_estimator`),
+    torchtune's are :func:`torchtune_setup` and :func:`torchtune_train_step`.
 
     Args:
         model (nn.Module): the model on the meta device (left untouched), or, with ``fake=False``, a real model (set

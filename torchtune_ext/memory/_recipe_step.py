@@ -14,7 +14,8 @@ from torchtune_ext.memory._estimator import MemoryEstimator
 
 
 class RecipeStep(Protocol):
-    """What an estimate runs of a recipe: one micro-batch and the update (``torchtune_ext.training.QLoRARecipe``)."""
+    """What an estimate runs of a recipe: one micro-batch and the update (the recipe file's class,
+    ``recipes/qlora_finetune_single_device.py``'s ``QLoRAFinetuneRecipe``, or a copy's)."""
 
     def forward_backward(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Forward, loss and backward of a micro-batch: (weighted loss, label-token count)."""
@@ -24,6 +25,27 @@ class RecipeStep(Protocol):
 
 
 R = TypeVar("R", bound=RecipeStep)
+
+_STEP_METHODS = ("forward_backward", "optimizer_step")
+
+
+def check_recipe_step(recipe: Any) -> None:
+    """Refuses a recipe without a training step to estimate, such as the library's ``QLoRARecipe`` (the step is the
+    recipe file's), naming the class to estimate instead.
+
+    Args:
+        recipe (Any): the recipe whose step is to be estimated.
+
+    Raises:
+        TypeError: if it lacks ``forward_backward`` or ``optimizer_step``.
+    """
+    missing = [name for name in _STEP_METHODS if not callable(getattr(recipe, name, None))]
+    if missing:
+        raise TypeError(
+            f"{type(recipe).__name__} has no training step to estimate (no {' or '.join(missing)}): the step is the "
+            "recipe file's. Estimate the recipe file's class instead: `from recipes.qlora_finetune_single_device "
+            "import QLoRAFinetuneRecipe`, then `QLoRAFinetuneRecipe(cfg).memory_estimator(cfg)` (or your copy's class)."
+        )
 
 
 def recipe_step_estimator(
@@ -53,7 +75,11 @@ def recipe_step_estimator(
 
     Returns:
         MemoryEstimator: the estimator.
+
+    Raises:
+        TypeError: if ``recipe`` has no training step (:func:`check_recipe_step`).
     """
+    check_recipe_step(recipe)
     step = copy.copy(recipe)
 
     def setup(step_model: nn.Module, step_loss: Any, activation_checkpointing: bool) -> None:

@@ -1,8 +1,8 @@
 """What an estimate runs besides the model: a set-up, a training step and an optimizer, all arguments of
 :class:`~torchtune_ext.memory.MemoryEstimator`.
 
-A recipe passes its own, so that the estimate runs exactly its code: ours does in
-``torchtune_ext.training.QLoRARecipe.memory_estimator`` (its ``_prepare_model`` and ``_setup_loss``, its
+A recipe passes its own, so that the estimate runs exactly its code: ours does in the recipe file's
+``QLoRAFinetuneRecipe(cfg).memory_estimator(cfg)`` (its ``_prepare_model`` and ``_setup_loss``, its
 ``forward_backward`` and ``optimizer_step``, its configured optimizer). This module holds the peer the
 benchmarks compare against, torchtune 0.6.1's ``lora_finetune_single_device`` recipe: its model
 (:func:`torchtune_qlora_model`), its set-up of that model (:func:`torchtune_setup`), its step

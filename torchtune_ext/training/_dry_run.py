@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -30,6 +30,7 @@ from torchtune_ext.memory import (
     MemoryEstimate,
     MemoryEstimator,
     OffloadedActivations,
+    check_recipe_step,
     compile_for_estimate,
     dry_run_target,
     fit_report,
@@ -43,9 +44,7 @@ from torchtune_ext.training._builders import build_dataset, build_optimizer, bui
 from torchtune_ext.training._checkpointing import disk_plan
 from torchtune_ext.training._precision import LossScaler
 from torchtune_ext.training._settings import dtype_or_checkpoints, frozen_weights_dtype
-
-if TYPE_CHECKING:
-    from torchtune_ext.training._recipe import QLoRARecipe
+from torchtune_ext.training._setup import RecipeSetup
 
 log = utils.get_logger("INFO")
 
@@ -55,8 +54,14 @@ log = utils.get_logger("INFO")
 RECIPE_ALLOWANCE = DeviceAllowance(fragmentation=0.1)
 
 
-def recipe_memory_estimator(recipe: QLoRARecipe, cfg: DictConfig, model: Optional[nn.Module] = None) -> MemoryEstimator:
-    """``recipe``'s training step for its config, ready to estimate; see :meth:`QLoRARecipe.memory_estimator`."""
+def recipe_memory_estimator(recipe: RecipeSetup, cfg: DictConfig, model: Optional[nn.Module] = None) -> MemoryEstimator:
+    """``recipe``'s training step for its config, ready to estimate; see
+    :meth:`torchtune_ext.training.QLoRARecipe.memory_estimator`.
+
+    Raises:
+        TypeError: if ``recipe`` has no step (the library's ``QLoRARecipe``: the step is the recipe file's).
+    """
+    check_recipe_step(recipe)  # before the model is built
     settings = recipe.settings
     frozen_dtype = frozen_weights_dtype(settings.frozen_dtype, settings.dtype, checkpoint_config(cfg))
     fake = model is None
@@ -76,7 +81,7 @@ def recipe_memory_estimator(recipe: QLoRARecipe, cfg: DictConfig, model: Optiona
     )
 
 
-def _bind(step: QLoRARecipe, model: nn.Module, loss_fn: Any, *, cfg: DictConfig, frozen_dtype: torch.dtype) -> None:
+def _bind(step: RecipeSetup, model: nn.Module, loss_fn: Any, *, cfg: DictConfig, frozen_dtype: torch.dtype) -> None:
     """Gives the estimate's copy of the recipe its model and loss, prepared as the recipe prepares them to train."""
     step._model, step._loss_fn, step._frozen_dtype = model, loss_fn, frozen_dtype
     compile = step.settings.compile  # the estimate's own compiled graphs replace torch.compile (last, below)
@@ -96,7 +101,7 @@ def _bind(step: QLoRARecipe, model: nn.Module, loss_fn: Any, *, cfg: DictConfig,
         compile_for_estimate(model, None if isinstance(step._loss_fn, LinearCrossEntropyLoss) else step._loss_fn)
 
 
-def _optimizer(step: QLoRARecipe, model: nn.Module, *, cfg: DictConfig) -> torch.optim.Optimizer:
+def _optimizer(step: RecipeSetup, model: nn.Module, *, cfg: DictConfig) -> torch.optim.Optimizer:
     """The copy's optimizer and LR schedule, over the model's trainable params."""
     step._trainable_params = [p for p in model.parameters() if p.requires_grad]
     step._replicated_params = []
@@ -114,13 +119,26 @@ def checkpoint_config(cfg: DictConfig) -> Dict[str, Any]:
     return {"dtype": "bfloat16"}
 
 
-def dry_run_report(recipe: QLoRARecipe, cfg: DictConfig) -> str:
-    """The dry run's report; see :meth:`QLoRARecipe.dry_run`."""
+def dry_run_report(
+    recipe: RecipeSetup, cfg: DictConfig, memory_estimator: Callable[[DictConfig], MemoryEstimator]
+) -> str:
+    """The dry run's report; see :meth:`torchtune_ext.training.QLoRARecipe.dry_run`.
+
+    Args:
+        recipe (RecipeSetup): the recipe (the recipe file's class: the step is its).
+        cfg (DictConfig): the recipe config.
+        memory_estimator (Callable[[DictConfig], MemoryEstimator]): the recipe's ``memory_estimator``.
+
+    Raises:
+        TypeError: if ``recipe`` has no step (the library's ``QLoRARecipe``).
+        ValueError: without ``tokenizer.max_seq_len``.
+    """
+    check_recipe_step(recipe)
     settings = recipe.settings
     if settings.max_seq_len is None:
         raise ValueError("dry_run=True estimates batches padded to tokenizer.max_seq_len: set it.")
     target = dry_run_target(cfg, settings.device, settings.dtype)  # device profile, host, headroom
-    estimator = recipe.memory_estimator(cfg)
+    estimator = memory_estimator(cfg)
     estimator.attention_backend = target.profile.sdpa_backend(settings.dtype) if target.profile else None
     estimate = estimator.estimate(settings.batch_size, settings.max_seq_len)
     lines = [
@@ -144,7 +162,7 @@ def dry_run_report(recipe: QLoRARecipe, cfg: DictConfig) -> str:
 
 
 def _fits(
-    recipe: QLoRARecipe, cfg: DictConfig, estimator: MemoryEstimator, estimate: MemoryEstimate, target: DryRunTarget
+    recipe: RecipeSetup, cfg: DictConfig, estimator: MemoryEstimator, estimate: MemoryEstimate, target: DryRunTarget
 ) -> List[str]:
     """Whether the step fits the card and the host (with the headroom), and the longest that does."""
     checkpoint_dtype = dtype_or_checkpoints(None, checkpoint_config(cfg))
@@ -153,7 +171,7 @@ def _fits(
     return [f"  {line}" for line in fit_report(estimator, estimate, target, host, recipe.settings.batch_size)]
 
 
-def _costs(recipe: QLoRARecipe, cfg: DictConfig) -> List[str]:
+def _costs(recipe: RecipeSetup, cfg: DictConfig) -> List[str]:
     """The disk the run will use and, when vocab pruning scans the data, the pass's time (from a
     measured sample of rows); the data set's size when the tokenizer and data can be read already."""
     settings = recipe.settings

@@ -256,6 +256,10 @@ class QLoRARecipe(RecipeSetup):
 
         Returns:
             MemoryEstimator: call ``estimate(batch_size, seq_len)`` or ``max_seq_len_that_fits(gib)``.
+
+        Raises:
+            TypeError: on this class itself, which has no step: estimate the recipe file's class
+                (``from recipes.qlora_finetune_single_device import QLoRAFinetuneRecipe``).
         """
         return recipe_memory_estimator(self, cfg, model)
 
@@ -271,9 +275,10 @@ class QLoRARecipe(RecipeSetup):
             str: the report (also printed).
 
         Raises:
+            TypeError: on this class itself, which has no step: run the recipe file's class.
             ValueError: without ``tokenizer.max_seq_len``.
         """
-        report = dry_run_report(self, cfg)
+        report = dry_run_report(self, cfg, self.memory_estimator)
         print(report, flush=True)
         return report
 
