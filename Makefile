@@ -5,8 +5,9 @@
 #                 (in-process tests) and the slow lane (recipe runs, launched processes, 2-process distributed,
 #                 llama.cpp, real models)
 # and, in an existing .venv:
-#   make test-fast - plain pytest: the fast lane only
-#   make test-slow - the slow lane only
+#   make test-fast - plain pytest: the fast lane only (in-process tests; under 10 min on 2 cores)
+#   make test-slow - the slow lane only (recipe runs, launched processes, multi-rank, llama.cpp, real models, and
+#                    the every-builder grids' other families)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
