@@ -72,7 +72,7 @@ from omegaconf import DictConfig
 from torchtune import config, utils
 
 from torchtune_ext.checkpoint import merge_at_epoch_end
-from torchtune_ext.config import exit_on_config_error, parse
+from torchtune_ext.config import exit_on_config_error, parse, recipe_setting
 from torchtune_ext.distributed import (
     all_reduce_grads,
     all_reduce_sum,
@@ -315,7 +315,7 @@ def main(cfg: DictConfig, distributed: bool = False) -> None:
     world_size, rank = launched_world_size_and_rank()
     if rank == 0:
         config.log_config(recipe_name="QLoRAFinetuneRecipe", cfg=cfg)
-    if cfg.get("dry_run", False):  # the memory estimate of this file's step: no weights, no data, nothing written
+    if recipe_setting(cfg, "dry_run"):  # the memory estimate of this file's step: no weights, no data, nothing written
         if world_size > 1 or distributed:
             per_rank_dry_run(QLoRAFinetuneRecipe, cfg)  # each rank's, on a fake process group in this process
         else:

@@ -31,15 +31,16 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import psutil
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
 
 from torchtune_ext.checkpoint import LOAD_CHUNK_BYTES
-from torchtune_ext.config import ConfigError
+from torchtune_ext.config import ConfigError, recipe_setting
 from torchtune_ext.memory._devices import DEFAULT_HEADROOM, DeviceProfile, device_profile, fits_line, usable_gib
 from torchtune_ext.memory._estimate import GIB, MemoryEstimate
 from torchtune_ext.memory._estimator import MemoryEstimator, _longest_fitting
@@ -71,7 +72,7 @@ def this_machine_memory_gib() -> float:
     return psutil.virtual_memory().total / GIB
 
 
-def dry_run_target(cfg: Any, device: torch.device, dtype: torch.dtype) -> DryRunTarget:
+def dry_run_target(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> DryRunTarget:
     """The dry run's device and host, from the config; checked before any estimate runs.
 
     ``device_profile`` names a card (:data:`torchtune_ext.memory.PROFILES`); ``device_memory_gb`` overrides its
@@ -80,7 +81,7 @@ def dry_run_target(cfg: Any, device: torch.device, dtype: torch.dtype) -> DryRun
     Inside a per-rank dry run (a process group), the ranks on the host are the launcher's ``LOCAL_WORLD_SIZE``.
 
     Args:
-        cfg (Any): the recipe config.
+        cfg (DictConfig): the recipe config.
         device (torch.device): the configured device.
         dtype (torch.dtype): the compute dtype.
 
@@ -91,19 +92,20 @@ def dry_run_target(cfg: Any, device: torch.device, dtype: torch.dtype) -> DryRun
         ConfigError: on an unknown profile, a malformed capability, bf16 on a card without it, or a headroom
             outside [0, 1).
     """
-    memory = cfg.get("device_memory_gb", None)
-    capability = cfg.get("compute_capability", None)
-    if cfg.get("device_profile", None) is None and memory is None and device.type == "cuda":
+    name = recipe_setting(cfg, "device_profile")
+    memory = recipe_setting(cfg, "device_memory_gb")
+    capability = recipe_setting(cfg, "compute_capability")
+    if name is None and memory is None and device.type == "cuda":
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(device)
             memory, capability = props.total_memory / GIB, capability or f"{props.major}.{props.minor}"
-    profile = device_profile(cfg.get("device_profile", None), memory, capability)
+    profile = device_profile(name, memory, capability)
     if profile is not None:
         profile.check_dtype(dtype)
-    headroom = cfg.get("memory_headroom", DEFAULT_HEADROOM)
+    headroom = recipe_setting(cfg, "memory_headroom")
     if not isinstance(headroom, (int, float)) or isinstance(headroom, bool) or not 0 <= headroom < 1:
         raise ConfigError(f"memory_headroom={headroom!r} must be a fraction in [0, 1), e.g. 0.05")
-    host = cfg.get("host_memory_gb", None)
+    host = recipe_setting(cfg, "host_memory_gb")
     host_gib = float(host) if host is not None else this_machine_memory_gib()
     return DryRunTarget(profile, host_gib, float(headroom), ranks_on_this_host())
 

@@ -20,8 +20,9 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List
 
 import torch.distributed as dist
+from omegaconf import DictConfig
 
-from torchtune_ext.config import ConfigError
+from torchtune_ext.config import ConfigError, recipe_setting
 from torchtune_ext.memory._dry_run import collect_rank_hosts, host_report
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -64,25 +65,26 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def dry_run_world_size(cfg: Any) -> int:
+def dry_run_world_size(cfg: DictConfig) -> int:
     """``world_size`` of a per-rank dry run (default 2).
 
     Raises:
         ConfigError: if it is not an integer >= 2.
     """
-    world_size = cfg.get("world_size", 2)
+    world_size = recipe_setting(cfg, "world_size")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
         raise ConfigError(f"world_size={world_size!r}: a per-rank dry run needs an integer >= 2 (e.g. world_size=2)")
     return world_size
 
 
-def per_rank_dry_run(recipe_factory: Callable[[Any], Any], cfg: Any) -> List[str]:
+def per_rank_dry_run(recipe_factory: Callable[[DictConfig], Any], cfg: DictConfig) -> List[str]:
     """Each rank's dry-run report (``recipe.dry_run(cfg)`` with that rank's fake process group), then the host's
     (every rank on one machine).
 
     Args:
-        recipe_factory (Callable[[Any], Any]): builds the recipe from the config (the distributed recipe class).
-        cfg (Any): the config (``world_size``: ranks, default 2).
+        recipe_factory (Callable[[DictConfig], Any]): builds the recipe from the config: the recipe file's class
+            (the step is its; the library's ``QLoRARecipe`` is refused).
+        cfg (DictConfig): the config (``world_size``: ranks, default 2).
 
     Returns:
         List[str]: the reports: rank 0 first, the host's last.

@@ -37,7 +37,6 @@ from torchtune_ext.training._settings import (
     RecipeSettings,
     dtype_or_checkpoints,
     frozen_weights_dtype,
-    positive_int,
 )
 from torchtune_ext.training._setup import launched_world_size_and_rank
 from torchtune_ext.training._summary import progress_note
@@ -76,7 +75,6 @@ __all__ = [
     "pad_batch_",
     "parse_dtype",
     "peak_rss_bytes",
-    "positive_int",
     "progress_note",
     "resume_command",
     "rng_state",

@@ -12,32 +12,11 @@ from torchtune.modules.peft import get_lora_module_names
 
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import parse_keep_last_n
-from torchtune_ext.config import positive_integer, recipe_setting
+from torchtune_ext.config import recipe_setting
 from torchtune_ext.memory import device_profile
 from torchtune_ext.modules.vocab_pruning import VocabPruning, parse_vocab_pruning
 from torchtune_ext.training._activations import check_activation_offloading
 from torchtune_ext.training._precision import default_adapter_dtype
-
-
-def positive_int(cfg: DictConfig, key: str, default: Optional[int]) -> Optional[int]:
-    """
-    Args:
-        cfg (DictConfig): the recipe config.
-        key (str): a top-level key.
-        default (Optional[int]): its value when absent.
-
-    Returns:
-        Optional[int]: ``cfg[key]``.
-
-    Raises:
-        ConfigError: if it is not a positive integer (or null, where the default is None).
-    """
-    value = cfg.get(key, default)
-    error = positive_integer(nullable=default is None).error(key, value)
-    if error is not None:
-        raise error
-    return value
-
 
 #: the settings that are the config's value (or the schema's default) as it is.
 _AS_CONFIGURED = (

@@ -48,7 +48,7 @@ from torchtune_ext.checkpoint import (  # output-dir checks; bounded disk
     load_base_,
     on_rank_zero,
 )
-from torchtune_ext.config import check_config, instantiate_component
+from torchtune_ext.config import check_config, instantiate_component, recipe_setting
 from torchtune_ext.data import TINY_SPLITS
 from torchtune_ext.distributed import (
     check_fsdp_cpu_offload,
@@ -89,7 +89,6 @@ from torchtune_ext.training._settings import (
     RecipeSettings,
     dtype_or_checkpoints,
     frozen_weights_dtype,
-    positive_int,
 )
 from torchtune_ext.training._validation import ValidationHistory
 
@@ -158,7 +157,7 @@ class RecipeSetup(FTRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         self.world_size, self.rank = launched_world_size_and_rank()
-        dry_run = bool(cfg.get("dry_run", False))  # estimates for the configured device, which need not be here
+        dry_run = bool(recipe_setting(cfg, "dry_run"))  # estimates for the configured device, which need not be here
         check_config(  # keys, ranges, device, files: before anything is done
             cfg,
             dry_run=dry_run,
@@ -168,14 +167,15 @@ class RecipeSetup(FTRecipeInterface):
         if not dry_run:  # before anything is allocated on the device; the user's own allocator settings are kept
             use_expandable_segments(torch.device(str(cfg.device)))
         self.settings = RecipeSettings.from_config(cfg)
-        global_batch_size = positive_int(cfg, "global_batch_size", None)
+        global_batch_size = recipe_setting(cfg, "global_batch_size")
         batch_size = per_rank_batch_size(self.settings.batch_size, global_batch_size, self.world_size)
         self.settings = replace(self.settings, batch_size=batch_size)  # per rank
-        self._fsdp_cpu_offload = bool(cfg.get("fsdp_cpu_offload", False)) and self.world_size > 1  # one rank: unsharded
+        # one rank: unsharded, whatever fsdp_cpu_offload says
+        self._fsdp_cpu_offload = bool(recipe_setting(cfg, "fsdp_cpu_offload")) and self.world_size > 1
         if self._fsdp_cpu_offload:
             check_fsdp_cpu_offload(self._fsdp_cpu_offload, self.settings.device, self.world_size)
-        self._reshard_after_forward = bool(cfg.get("fsdp_reshard_after_forward", True))
-        self.process_group_timeout_s = float(cfg.get("process_group_timeout_s", 1800))
+        self._reshard_after_forward = bool(recipe_setting(cfg, "fsdp_reshard_after_forward"))
+        self.process_group_timeout_s = float(recipe_setting(cfg, "process_group_timeout_s"))
         self._memory_peaks = MemoryPeaks(self.settings.device)  # logged per window, the run's in the summary
         self.max_steps_per_epoch = self.settings.max_steps_per_epoch  # a resume keeps the saved run's
         self._activation_offloading: ContextManager = contextlib.nullcontext()
@@ -272,7 +272,7 @@ class RecipeSetup(FTRecipeInterface):
     def _set_seed(self, cfg: DictConfig) -> None:
         """The config's seed (torchtune's ``set_seed`` agrees on it across ranks), with the same streams on every
         rank until the model is initialised, so every rank draws the single-device run's initial adapters."""
-        self.seed = training.set_seed(seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None))
+        self.seed = training.set_seed(seed=cfg.seed, debug_mode=recipe_setting(cfg, "cudnn_deterministic_mode"))
         seed_everything(self.seed)
 
     def _generate_base_checkpoint(self, cfg: DictConfig) -> None:
