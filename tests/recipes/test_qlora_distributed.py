@@ -3,7 +3,7 @@
 References are independent of the code under test where possible: the single-device recipe on the same global
 batch, an uninterrupted run for resume, the unpruned model for vocab pruning, and the base checkpoint's tensors.
 Runs go through ``tune run --nproc_per_node 2`` (the user's command) or, where ranks must be inspected, through
-real processes spawned by ``run_distributed``.
+real processes spawned by ``run_distributed``; the single-device reference runs in this process.
 """
 
 import json
@@ -19,7 +19,7 @@ from typing import Dict, List
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_distributed
+from conftest import run_distributed, run_recipe_in_process
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -62,12 +62,9 @@ def _env() -> Dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _tune_run(recipe: str, args: List[str], nproc: int = 0) -> subprocess.CompletedProcess:
-    cmd = (
-        [str(TUNE), "run"]
-        + (["--nproc_per_node", str(nproc)] if nproc else [])
-        + [recipe, "--config", str(CONFIG), *args]
-    )
+def _tune_run(args: List[str]) -> subprocess.CompletedProcess:
+    """``tune run --nproc_per_node 2`` of the distributed recipe with the tiny config and ``args``."""
+    cmd = [str(TUNE), "run", "--nproc_per_node", "2", DIST_RECIPE, "--config", str(CONFIG), *args]
     return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
@@ -121,7 +118,7 @@ def base(tmp_path_factory) -> Path:
 def dist_run(base, tmp_path_factory) -> Path:
     """4 steps on 2 ranks, batch 4 per rank, fp32."""
     out = tmp_path_factory.mktemp("dist")
-    _check(_tune_run(DIST_RECIPE, _overrides(out, base) + [f"batch_size={PER_RANK_BATCH}"], nproc=2))
+    _check(_tune_run(_overrides(out, base) + [f"batch_size={PER_RANK_BATCH}"]))
     return out
 
 
@@ -129,7 +126,8 @@ def dist_run(base, tmp_path_factory) -> Path:
 def test_matches_single_device_on_the_same_global_batch(base, dist_run, tmp_path):
     # The same config file, the single-device recipe with the global batch (2 x 4) on one process.
     single = tmp_path / "single"
-    _check(_tune_run(SINGLE_RECIPE, _overrides(single, base) + [f"batch_size={2 * PER_RANK_BATCH}"]))
+    args = ["--config", str(CONFIG), *_overrides(single, base), f"batch_size={2 * PER_RANK_BATCH}"]
+    run_recipe_in_process(ROOT / SINGLE_RECIPE, args, cwd=ROOT)  # in this process: only its outputs are compared
     ours, reference = _logged(dist_run), _logged(single)
     assert len(ours) == len(reference) == STEPS
     assert max(abs(a - b) for a, b in zip(ours, reference)) < 1e-4, (ours, reference)
@@ -144,11 +142,11 @@ def test_matches_single_device_on_the_same_global_batch(base, dist_run, tmp_path
 def test_resume_matches_uninterrupted_run(base, dist_run, tmp_path):
     out = tmp_path / "resumed"
     args = _overrides(out, base) + [f"batch_size={PER_RANK_BATCH}"]
-    _check(_tune_run(DIST_RECIPE, args + [f"stop_after_step={STEPS // 2}"], nproc=2))
+    _check(_tune_run(args + [f"stop_after_step={STEPS // 2}"]))
     # Stopping mid-epoch saves the adapter (adapter-only gather) and the recipe state, no merged model.
     assert (out / f"step_{STEPS // 2}" / "adapter" / "adapter_model.safetensors").is_file()
     assert not (out / f"step_{STEPS // 2}" / "merged").exists()
-    _check(_tune_run(DIST_RECIPE, args + ["resume_from_checkpoint=True"], nproc=2))
+    _check(_tune_run(args + ["resume_from_checkpoint=True"]))
     resumed, straight = _logged(out), _logged(dist_run)
     assert len(resumed) == STEPS
     assert max(abs(a - b) for a, b in zip(resumed, straight)) < 1e-5, (resumed, straight)
@@ -326,7 +324,7 @@ def test_ranks_fail_fast_on_bad_input_and_agree_on_fp16_overflow(base, tmp_path)
 def test_cli_error_exits_without_hanging(base, tmp_path):
     out = tmp_path / "out"
     start = time.perf_counter()
-    result = _tune_run(DIST_RECIPE, _overrides(out, base) + ["global_batch_size=5"], nproc=2)
+    result = _tune_run(_overrides(out, base) + ["global_batch_size=5"])
     output = result.stdout + result.stderr
     assert result.returncode == CONFIG_ERROR_EXIT_CODE, output[-4000:]
     assert "global_batch_size=5 cannot be split evenly over 2 ranks" in output
