@@ -6,5 +6,5 @@ imports another recipe.
 
 A regular package: ``tune run`` imports ``recipes/<recipe>.py`` as the module ``recipes.<recipe>``; torchtune's
 unimportable placeholder ``recipes`` package in site-packages would shadow this folder, which
-``torchtune_ext/_compat.py``'s import hook resolves.
+``torchtune_ext/_compat/``'s import hook resolves (``_recipes_package``).
 """

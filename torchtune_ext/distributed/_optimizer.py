@@ -7,6 +7,10 @@ keeps ``optimizer.state_dict()``'s layout (``state``, ``param_groups``) but numb
 the trainable params' own order, not by the groups', so a single-device run, an N-rank run and an M-rank run (whose
 groups differ: sharded adapters beside replicated pruned rows) read and write the same recipe state. A state of one
 group (before the groups were split) is that layout too.
+
+Not torch DCP's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``: it keys the state by parameter name
+where the recipe states saved so far number it by position, and it loads only into an optimizer whose state exists
+(it takes a zero-gradient step first).
 """
 
 from __future__ import annotations
