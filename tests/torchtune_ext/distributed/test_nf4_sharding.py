@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import family_marks, run_distributed
+from conftest import family_marks, run_distributed, run_recipe_in_process
 from safetensors.torch import load_file
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -225,19 +225,23 @@ def test_gloo_nf4_fsdp2_gather_and_train(world_size):
 
 
 def _tune_run(recipe: str, config: str, out: Path, base: Path, batch_size: int, nproc: int = 0) -> List[float]:
-    """Runs a recipe as users do and returns its per-step losses."""
-    cmd = [str(Path(sys.executable).parent / "tune"), "run"] + (["--nproc_per_node", str(nproc)] if nproc else [])
-    cmd += [
-        f"recipes/{recipe}.py", "--config", f"configs/tiny/{config}.yaml", f"output_dir={out}",
+    """Runs a recipe as ``tune run`` does (on ``nproc`` launched ranks; 0: in this process) and returns its per-step
+    losses."""
+    args = [
+        "--config", f"configs/tiny/{config}.yaml", f"output_dir={out}",
         f"checkpointer.checkpoint_dir={base}", "max_steps_per_epoch=3", "dataset.num_samples=96",
         "dataset_val.num_samples=12", "run_val_every_n_steps=null", "tokenizer.max_seq_len=48",
         f"batch_size={batch_size}", "gradient_accumulation_steps=1", "save_adapter_weights_only=True",
         "optimizer.lr=1e-2", "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
         f"metric_logger.log_dir={out}/logs",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    if nproc:
+        cmd = [str(Path(sys.executable).parent / "tune"), "run", "--nproc_per_node", str(nproc), f"recipes/{recipe}.py"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        result = subprocess.run(cmd + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    else:
+        run_recipe_in_process(ROOT / "recipes" / f"{recipe}.py", args, cwd=ROOT)
     lines = "\n".join(p.read_text() for p in sorted((out / "logs").glob("log_*.txt")))
     return [float(v) for v in re.findall(r"Step \d+ \| .*\bloss:(\S+)", lines)]
 
