@@ -15,19 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, ContextManager, Dict, Optional
+import types
+from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop
-from torch.nn.attention.flex_attention import (
-    BlockMask,
-    _apply_kernel_options,
-    _extract_callable_pytree,
-    _identity,
-    _reconstruct_closure_fn,
-    create_block_mask,
-)
+from torch.nn.attention.flex_attention import BlockMask, _apply_kernel_options, _identity, create_block_mask
 from torch.optim import AdamW, Optimizer
 from torchtune import modules, training
 from torchtune.modules.attention_utils import _get_document_ids_from_seq_lens
@@ -171,6 +165,25 @@ def packed_batch(batch_size: int, seq_len: int, device: torch.device) -> Dict[st
     return {"input_pos": input_pos, "mask": create_block_mask(mask_mod, batch_size, None, seq_len, seq_len, device)}
 
 
+def _lift_captured_tensors(mask_mod: Callable) -> Tuple[Callable, Tuple[torch.Tensor, ...]]:
+    """``mask_mod`` with the tensors its closure captures turned into trailing arguments, and those tensors: what
+    dynamo does before it calls flex attention's op. Written here, not taken from torch's private helpers, which
+    torch 2.10 and 2.11 (Kaggle, Colab) lack."""
+    cells = mask_mod.__closure__ or ()
+    captured = tuple(cell.cell_contents for cell in cells if isinstance(cell.cell_contents, torch.Tensor))
+
+    def lifted(b, h, q_idx, kv_idx, *tensors):
+        replacements = iter(tensors)
+        closure = tuple(
+            types.CellType(next(replacements)) if isinstance(cell.cell_contents, torch.Tensor) else cell
+            for cell in cells
+        )
+        fn = types.FunctionType(mask_mod.__code__, mask_mod.__globals__, mask_mod.__name__, None, closure or None)
+        return fn(b, h, q_idx, kv_idx)
+
+    return lifted, captured
+
+
 def flex_or_sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout_p: float, is_causal: bool
 ) -> torch.Tensor:
@@ -181,11 +194,7 @@ def flex_or_sdpa_attention(
     if isinstance(mask, BlockMask):
         if dropout_p > 0.0:
             raise ValueError("Flex attention does not support dropout. Please set dropout to 0.0.")
-        buffers, spec, stripped = _extract_callable_pytree(mask.mask_mod)
-
-        def mask_mod(b, h, q_idx, kv_idx, *captured):
-            return _reconstruct_closure_fn(stripped, captured, spec)(b, h, q_idx, kv_idx)
-
+        mask_mod, buffers = _lift_captured_tensors(mask.mask_mod)
         options = _apply_kernel_options(q, k, v, False, None)
         scale = 1.0 / math.sqrt(q.size(-1))
         out, _, _ = flex_attention_hop(
