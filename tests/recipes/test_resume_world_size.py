@@ -4,8 +4,9 @@ run trains: its losses equal the uninterrupted run's, and it says where it resum
 
 Runs are real processes (``tune run``, gloo on CPU) of the tiny model, 4 steps of 16 samples (global batch 8 x
 gradient accumulation 2, so that a step spans several micro-batches on every world size). One process runs the
-single-device recipe. 2 -> 4 ranks: the tiny model's k/v projections hold 2 NF4 scale groups, sharded unevenly over
-4 ranks (one group each on two ranks, padding on the others: ``torchtune_ext.nf4.UnevenNF4Tensor``).
+single-device recipe; the uninterrupted reference and the refused resume's first run call it in this process.
+2 -> 4 ranks: the tiny model's k/v projections hold 2 NF4 scale groups, sharded unevenly over 4 ranks (one group
+each on two ranks, padding on the others: ``torchtune_ext.nf4.UnevenNF4Tensor``).
 """
 
 import os
@@ -13,25 +14,27 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List
 
 import pytest
+from conftest import load_recipe, run_main, run_recipe_in_process
 
 pytestmark = [pytest.mark.integration_test, pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny" / "qlora_distributed.yaml"
 TUNE = Path(sys.executable).parent / "tune"
+SINGLE_RECIPE = "recipes/qlora_finetune_single_device.py"
 STEPS, STOP, GLOBAL_BATCH, ACCUMULATION = 4, 2, 8, 2
 TOLERANCE = 1e-5  # fp32 sums over ranks in another order
 RUN_TIMEOUT_S = 300
 
 
-def _launch(out: Path, base: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
-    """``tune run`` on ``nproc`` ranks (1: the single-device recipe), the global batch kept unless ``extra`` says."""
-    recipe = "recipes/qlora_finetune_single_device.py" if nproc == 1 else "recipes/qlora_finetune_distributed.py"
-    launcher = [] if nproc == 1 else ["--standalone", "--nproc_per_node", str(nproc)]
-    args = [
+def _args(out: Path, base: Path, nproc: int, *extra: str) -> List[str]:
+    """The recipe's arguments on ``nproc`` ranks, the global batch kept unless ``extra`` says."""
+    return [
+        "--config",
+        str(CONFIG),
         f"output_dir={out}",
         f"checkpointer.checkpoint_dir={base}",
         f"max_steps_per_epoch={STEPS}",
@@ -48,9 +51,20 @@ def _launch(out: Path, base: Path, nproc: int, *extra: str) -> subprocess.Comple
         f"metric_logger.log_dir={out}/logs",
         *extra,
     ]
+
+
+def _launch(out: Path, base: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+    """``tune run`` on ``nproc`` ranks (1: the single-device recipe)."""
+    recipe = SINGLE_RECIPE if nproc == 1 else "recipes/qlora_finetune_distributed.py"
+    launcher = [] if nproc == 1 else ["--standalone", "--nproc_per_node", str(nproc)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [str(TUNE), "run", *launcher, recipe, "--config", str(CONFIG), *args]
+    cmd = [str(TUNE), "run", *launcher, str(recipe), *_args(out, base, nproc, *extra)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
+def _run_in_process(out: Path, base: Path, *extra: str) -> None:
+    """The single-device recipe in this process (a run whose outputs alone are read)."""
+    run_recipe_in_process(ROOT / SINGLE_RECIPE, _args(out, base, 1, *extra), cwd=ROOT)
 
 
 def _run(out: Path, base: Path, nproc: int, *extra: str) -> str:
@@ -82,7 +96,7 @@ def base(tmp_path_factory) -> Path:
 def uninterrupted(base, tmp_path_factory) -> Dict[int, float]:
     """The reference: 4 steps on one process (the same samples per step as on any world size)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    _run(out, base, 1)
+    _run_in_process(out, base)
     return _losses(out)
 
 
@@ -112,9 +126,10 @@ def test_resume_on_another_world_size_matches_an_uninterrupted_run(base, uninter
     assert worst < TOLERANCE, (losses, uninterrupted)
 
 
-def test_another_global_batch_is_refused_naming_it(base, tmp_path):
+def test_another_global_batch_is_refused_naming_it(base, tmp_path, monkeypatch, capfd):
     out = tmp_path / "run"
-    _run(out, base, 1, f"stop_after_step={STOP}")
-    result = _launch(out, base, 1, "batch_size=4", "resume_from_checkpoint=True")  # half the saved global batch
+    _run_in_process(out, base, f"stop_after_step={STOP}")
+    argv = [SINGLE_RECIPE, *_args(out, base, 1, "batch_size=4", "resume_from_checkpoint=True")]  # half the batch
+    result = run_main(load_recipe(ROOT / SINGLE_RECIPE).recipe_main, argv, monkeypatch, capfd, cwd=ROOT)
     assert result.returncode != 0
     assert f"global_batch_size: {GLOBAL_BATCH} -> 4" in result.stdout + result.stderr
