@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchtune import utils
 
 from torchtune_ext.checkpoint import read_hf_config
-from torchtune_ext.config import instantiate_component
+from torchtune_ext.config import instantiate_component, recipe_setting
 from torchtune_ext.memory import (
     DeviceAllowance,
     DryRunTarget,
@@ -88,7 +88,7 @@ def _bind(step: RecipeSetup, model: nn.Module, loss_fn: Any, *, cfg: DictConfig,
     step.settings = replace(step.settings, compile=False)
     # On fake CPU tensors; what the device would hold is what the estimate counts.
     step._loss_scaler = LossScaler(
-        step.settings.dtype == torch.float16, torch.device("cpu"), **cfg.get("loss_scaler", {})
+        step.settings.dtype == torch.float16, torch.device("cpu"), **(recipe_setting(cfg, "loss_scaler") or {})
     )
     step._prepare_model(model)
     if step.settings.enable_activation_offloading:  # last, as the recipe's _prepare_model sets up the real one
@@ -182,7 +182,7 @@ def _costs(recipe: RecipeSetup, cfg: DictConfig) -> List[str]:
     try:
         tokenizer = build_tokenizer(cfg.tokenizer)
         datasets = [build_dataset(cfg.dataset, tokenizer)]
-        if cfg.get("dataset_val", None) is not None:
+        if recipe_setting(cfg, "dataset_val") is not None:
             datasets.append(build_dataset(cfg.dataset_val, tokenizer, "dataset_val"))
     except (FileNotFoundError, RuntimeError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

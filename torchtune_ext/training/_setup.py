@@ -205,7 +205,9 @@ class RecipeSetup(FTRecipeInterface):
         the non-finite guard that watches it."""
         loss_scaler = DistributedLossScaler if self.world_size > 1 else LossScaler
         self._loss_scaler = loss_scaler(
-            enabled=self.settings.dtype == torch.float16, device=self.settings.device, **cfg.get("loss_scaler", {})
+            enabled=self.settings.dtype == torch.float16,
+            device=self.settings.device,
+            **(recipe_setting(cfg, "loss_scaler") or {}),
         )
         self._guard = NonFiniteGuard(self._loss_scaler, self.settings.clip_grad_norm)
 
@@ -277,7 +279,8 @@ class RecipeSetup(FTRecipeInterface):
 
     def _generate_base_checkpoint(self, cfg: DictConfig) -> None:
         """The tiny default writes its random base checkpoint on first use (rank 0; the others wait)."""
-        if cfg.get("generate_base_checkpoint", None) is not None:  # a value it refuses stops every rank (collective)
+        # a value it refuses stops every rank (collective)
+        if recipe_setting(cfg, "generate_base_checkpoint") is not None:
             on_rank_zero(lambda: instantiate_component(cfg.generate_base_checkpoint, "generate_base_checkpoint"))
 
     def _build_components(self, cfg: DictConfig) -> Tuple[Any, Optional[Any]]:
@@ -303,7 +306,7 @@ class RecipeSetup(FTRecipeInterface):
             probe = [nn.Parameter(torch.zeros(1, device=self.settings.device))]
             build_optimizer(cfg.optimizer, cfg.lr_scheduler, probe)
         dataset = build_dataset(cfg.dataset, self._tokenizer)
-        val_cfg = cfg.get("dataset_val", None)
+        val_cfg = recipe_setting(cfg, "dataset_val")
         return dataset, build_dataset(val_cfg, self._tokenizer, "dataset_val") if val_cfg is not None else None
 
     def _resolve_kept_ids(self, dataset: Any, val_dataset: Optional[Any]) -> None:
