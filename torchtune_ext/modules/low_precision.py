@@ -76,8 +76,11 @@ def _linear_slabs(x: torch.Tensor, weight: NF4Tensor, rows: int) -> torch.Tensor
     out_dim, in_dim = weight.shape
     scalers = dequantize_nf4_scalers(weight).view(out_dim, in_dim // weight.block_size)
     packed = weight.quantized_data.view(torch.uint16).view(out_dim, in_dim // 4)
+    decoded, slab = _slab_buffers(weight, (min(rows, out_dim), in_dim), x.dtype)
+    if rows >= out_dim:  # one slab (a decoded token's small weights): no slicing
+        decode_nf4_(weight, packed, scalers, decoded)
+        return torch.mm(x, (decoded if slab is decoded else slab.copy_(decoded)).t())
     out = torch.empty(x.shape[0], out_dim, dtype=x.dtype, device=x.device)
-    decoded, slab = _slab_buffers(weight, (rows, in_dim), x.dtype)
     for start in range(0, out_dim, rows):
         stop = min(start + rows, out_dim)
         decode_nf4_(weight, packed[start:stop], scalers[start:stop], decoded[: stop - start])
