@@ -122,7 +122,8 @@ class Generator:
         device (torch.device): the model's device.
         max_seq_len (Optional[int]): prompt + answer length limit; None: the model's ``max_seq_len``.
         prefill_chunk (int): the prompt goes through the cached model this many tokens at a time, so that a long
-            prompt's logits (``chunk x vocab``) are never all held.
+            prompt's activations (and, for a decoder without the ``skip_output_layer`` switch, its logits) are never
+            all held.
     """
 
     def __init__(
