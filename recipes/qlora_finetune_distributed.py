@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from torchtune_ext.config import exit_on_config_error, parse
+from torchtune_ext.config import exit_on_config_error, parse, recipe_setting
 from torchtune_ext.distributed import launched_world_size
 
 _RECIPE = runpy.run_path(str(Path(__file__).with_name("qlora_finetune_single_device.py")))
@@ -29,7 +29,7 @@ QLoRAFinetuneRecipeDistributed = _RECIPE["QLoRAFinetuneRecipe"]
 @parse  # torchtune's config.parse, with overrides whose value holds "="
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run --nproc_per_node N recipes/qlora_finetune_distributed.py --config <yaml> [k=v ...]``."""
-    if not cfg.get("dry_run", False):
+    if not recipe_setting(cfg, "dry_run"):
         launched_world_size()  # started by a launcher, else an error that says how
     _RECIPE["main"](cfg, distributed=True)
 

@@ -432,7 +432,7 @@ def test_a_random_phi_base_has_transformers_keys_and_shapes(bases, workdir):
 
 
 def test_the_phi4_mini_config_trains_on_chat_data_through_its_tokenizer(bases, workdir):
-    """[issue 20] ``configs/phi3/mini_4_qlora_single_device.yaml`` with its own tokenizer component
+    """``configs/phi3/mini_4_qlora_single_device.yaml`` with its own tokenizer component
     (``phi4_mini_tokenizer`` on a small BPE ``tokenizer.json`` with Phi-4-mini's chat tokens) and torchtune's
     ``chat_dataset``: an fp32 CPU step on the 2-layer Phi-4-mini checkpoint trains the adapter (the assistant turn
     is labelled: all-masked labels would leave every lora_B zero), and both exports are written."""

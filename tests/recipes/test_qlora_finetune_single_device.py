@@ -278,7 +278,7 @@ def test_dtype_overrides_run_and_track_fp32(runs, dtype, tolerance):
     assert max(abs(a - b) for a, b in zip(reference, other)) < tolerance, (reference, other)
 
 
-# The merged model is in the base checkpoint's dtype (fp32 here) unless merged_dtype says otherwise [issue 18].
+# The merged model is in the base checkpoint's dtype (fp32 here) unless merged_dtype says otherwise.
 @pytest.mark.parametrize(
     "dtype, extra, adapter_dtype, merged_dtype, hf_name",
     [
@@ -608,7 +608,7 @@ def test_fp32_keeps_a_16_bit_checkpoints_frozen_weights_in_16_bit(workdir, caplo
         "max_steps_per_epoch=3",
         "batch_size=4",
         "run_val_every_n_steps=null",
-        "merged_dtype=fp32",  # [issue 18] the default is the checkpoint's bf16; compare the fp32 merges
+        "merged_dtype=fp32",  # the default is the checkpoint's bf16; compare the fp32 merges
     ]
     default, full = workdir / "frozen_default", workdir / "frozen_fp32"
     with caplog.at_level(logging.INFO):

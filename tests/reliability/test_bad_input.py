@@ -228,7 +228,7 @@ SINGLE_DEVICE_CASES = [
         id="data_set_not_reachable_offline",
     ),
     pytest.param(["dataset.num_samples=0"], "The data set gives 0 batches", "fresh", id="empty_data_set"),
-    # [issue 17] config checks (torchtune_ext.config.check_config), before anything is built
+    # config checks (torchtune_ext.config.check_config), before anything is built
     pytest.param(["dtpye=fp32"], "unknown key 'dtpye': did you mean 'dtype'?", "fresh", id="typo_in_a_key"),
     pytest.param(["lora_rank=-1"], "did you mean 'model.lora_rank'?", "fresh", id="section_key_at_top_level"),
     pytest.param(["model.lora_rank=0"], "model.lora_rank=0 must be an integer >= 1", "fresh", id="lora_rank_0"),
@@ -414,7 +414,7 @@ def test_distributed_bad_input_fails_with_exit_code(inputs, tmp_path, nproc, ove
         assert not out.exists()
 
 
-# [issue 17] config and input errors print one line each, exit 2, no traceback (TORCHTUNE_EXT_TRACEBACK=1: one)
+# config and input errors print one line each, exit 2, no traceback (TORCHTUNE_EXT_TRACEBACK=1: one)
 ONE_LINE_CASES = [
     pytest.param(["dtpye=fp32"], ["unknown key 'dtpye': did you mean 'dtype'?"], id="typo_in_a_key"),
     pytest.param(

@@ -40,11 +40,11 @@ def launched_world_size() -> int:
         int: ``WORLD_SIZE``.
 
     Raises:
-        RuntimeError: if the process was not started by a distributed launcher.
+        ConfigError: if the process was not started by a distributed launcher (a usage error: one line, exit 2).
     """
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
-        raise RuntimeError(
+        raise ConfigError(
             f"the distributed recipe must be started by a distributed launcher ({', '.join(missing)} not set): "
             "tune run --nproc_per_node <N> recipes/qlora_finetune_distributed.py --config <config> "
             "(or torchrun --nproc_per_node <N> ...); for one device use recipes/qlora_finetune_single_device.py."

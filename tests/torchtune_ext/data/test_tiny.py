@@ -94,7 +94,7 @@ def test_packed_is_rejected():
 def test_tiny_checkpoint_matches_the_tiny_model_and_is_written_once(tmp_path, family, builder):
     path = write_tiny_checkpoint(tmp_path / "base", family=family, dtype="bf16")
     files = sorted(p.name for p in path.iterdir())
-    # [issue 18] with the tokenizer in HF layout, so that AutoTokenizer works on it and on merged models
+    # with the tokenizer in HF layout, so that AutoTokenizer works on it and on merged models
     tokenizer_files = ["generation_config.json", "tokenizer.model", "tokenizer_config.json"]
     assert files == sorted(["config.json", "model.safetensors", *tokenizer_files])
     config = json.loads((path / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""[issue 19] Compiled steps (``compile=True``): the estimate's partition and buffers against torch.compile's own.
+"""Compiled steps (``compile=True``): the estimate's partition and buffers against torch.compile's own.
 
 References: what a layer compiled by torch.compile (dynamo, then AOTAutograd; inductor itself in the slow test)
 saves for its backward, counted by a saved-tensor hook on real CPU tensors; the buffers inductor's generated code

@@ -1,4 +1,4 @@
-"""[issue 19] The dry run's device profiles, host RAM and headroom.
+"""The dry run's device profiles, host RAM and headroom.
 
 References: the byte arithmetic of the shapes (layer inputs offloaded, power-of-two blocks), the estimator's own
 estimates at the lengths the search returns (each limit checked at L and L + 1), and the recipe's refusal of bf16.

@@ -1,7 +1,8 @@
 """torchtune_ext.memory: the fake-tensor estimate against independent references.
 
-Our recipe is estimated only through its own code: ``QLoRARecipe.memory_estimator`` on a config (the tiny config,
-with overrides), which builds the ``model:`` section on meta and runs the recipe's own set-up and step. The
+Our recipe is estimated only through its own code: the recipe file's
+``QLoRAFinetuneRecipe.memory_estimator`` on a config (the tiny config, with overrides), which builds the
+``model:`` section on meta and runs the recipe's own set-up and step. The
 references: the same step of the same recipe run for real on the CPU (``memory_estimator(cfg, model=...)`` with the
 model materialized from the same section, counted the same way: a fake run that differs has missed or invented
 allocations), the byte counts of the model's own tensors, torch's ``MemTracker`` on a real step, and arithmetic

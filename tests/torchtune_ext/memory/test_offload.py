@@ -1,4 +1,4 @@
-"""[issue 19] Activation offloading in the estimate follows torchtune's streaming ``OffloadActivations``: what its
+"""Activation offloading in the estimate follows torchtune's streaming ``OffloadActivations``: what its
 forward stash keeps on the device, and what its output-projection exclusion keeps off the host.
 
 References: the estimate without offloading (what the device holds when nothing is offloaded) and the byte arithmetic

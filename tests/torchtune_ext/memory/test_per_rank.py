@@ -1,4 +1,4 @@
-"""[issue 19] The distributed recipe's per-rank dry run (fake process group, fake tensors) against a real 2-rank
+"""The distributed recipe's per-rank dry run (fake process group, fake tensors) against a real 2-rank
 gloo CPU run of the same recipe step on real tensors: each rank's tensor peak within 5%.
 
 The reference is the recipe's own step on a real model materialized from the same ``model:`` section, sharded by

@@ -1,4 +1,4 @@
-"""[issue 19] ``bench/memory.py --torchtune-config``: torchtune's own ``lora_finetune_single_device`` step for one of
+"""``bench/memory.py --torchtune-config``: torchtune's own ``lora_finetune_single_device`` step for one of
 its shipped configs, eager or compiled (``compile=True``), with its activation offloading and packed batches
 (``TorchtuneStep``, tested in test_torchtune_step.py); what its recipe refuses is refused before any estimate.
 

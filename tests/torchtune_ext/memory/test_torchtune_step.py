@@ -1,4 +1,4 @@
-"""[issue 19] torchtune's ``lora_finetune_single_device`` step with its activation offloading and packed batches
+"""torchtune's ``lora_finetune_single_device`` step with its activation offloading and packed batches
 (``TorchtuneStep``), against torchtune's own packing and collation and hand computations over a tiny QLoRA Llama 3.
 
 Reference shapes: batch B x S tokens, LAYERS decoder layers of HEADS heads of HEAD_DIM (DIM = HEADS * HEAD_DIM), bf16;

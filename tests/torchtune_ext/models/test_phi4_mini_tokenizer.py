@@ -1,4 +1,4 @@
-"""[issue 20] ``phi4_mini_tokenizer`` against transformers' tokenizer with Phi-4-mini-instruct's chat template, offline.
+"""``phi4_mini_tokenizer`` against transformers' tokenizer with Phi-4-mini-instruct's chat template, offline.
 
 A tiny byte-level BPE ``tokenizer.json`` (trained here by ``tokenizers``, Phi-4-mini's chat tokens at small ids) is
 loaded both by our tokenizer and by transformers' ``PreTrainedTokenizerFast`` given the chat template of

@@ -282,7 +282,7 @@ def test_export_restores_full_vocab(name, dtype):
             assert exported.dtype == original.dtype and exported.shape == original.shape
             torch.testing.assert_close(exported, trained.to(original.dtype), atol=0, rtol=0)
             continue
-        # [issue 23] The trained rows keep their precision (fp32 pruned rows over a bf16 base: fp32).
+        # The trained rows keep their precision (fp32 pruned rows over a bf16 base: fp32).
         assert exported.dtype == torch.promote_types(original.dtype, trained.dtype) and exported.shape == original.shape
         torch.testing.assert_close(exported[others], original[others].to(exported.dtype), atol=0, rtol=0)
         torch.testing.assert_close(exported[kept], trained.to(exported.dtype), atol=0, rtol=0)
