@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+import torch
 
 from torchtune_ext import _compat
 from torchtune_ext._shipped import DISTRIBUTED_RECIPE, SINGLE_DEVICE_RECIPE, config_files, recipe_files, recipe_of
@@ -136,7 +137,8 @@ def test_the_filters_remove_the_warnings_that_appear_without_them(tmp_path):
     off = _run([sys.executable, "-c", script, "off"], tmp_path)
     on = _run([sys.executable, "-c", script, "on"], tmp_path)
     assert off.returncode == 0 and on.returncode == 0, off.stderr[-3000:] + on.stderr[-3000:]
-    assert "set_vital" in off.stderr  # torch warns on every StatefulDataLoader, whatever the build
+    if torch.__version__ >= "2.13":  # from 2.13 torch warns on every StatefulDataLoader (2.11 does not)
+        assert "set_vital" in off.stderr
     _assert_quiet(on)
 
 
