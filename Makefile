@@ -50,4 +50,4 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "integration_test or distributed or slow or real_model"
 
 clean:
-	rm -rf $(VENV) .venv-interop
+	rm -rf $(VENV) .venv-interop .venv-oldest .venv-torch214 .venv-torch211
