@@ -40,11 +40,15 @@ def test_each_key_is_declared_once():
 
 
 def _keys_read(path: Path) -> Set[str]:
-    """The top-level keys ``path`` reads from a ``cfg``: ``cfg.get("key", ...)``, ``cfg.key``, ``cfg["key"]``."""
+    """The top-level keys ``path`` reads from a ``cfg``: ``cfg.get("key", ...)``, ``cfg.key``, ``cfg["key"]``,
+    ``recipe_setting(cfg, "key")``."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cfg":
             found.add(node.attr)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "recipe_setting":
+            if len(node.args) == 2 and isinstance(node.args[1], ast.Constant):
+                found.add(node.args[1].value)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
             owner = node.func.value
             if isinstance(owner, ast.Name) and owner.id == "cfg" and node.args:
