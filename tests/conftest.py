@@ -9,6 +9,7 @@ the markers of the slow lane: ``integration_test``, ``distributed``, ``slow``, `
 both (``-m`` on the command line replaces the default one).
 """
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -18,7 +19,7 @@ import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import pytest
 import torch.multiprocessing as mp
@@ -62,6 +63,27 @@ def load_recipe(path: Path) -> ModuleType:
     return module
 
 
+@contextlib.contextmanager
+def _called_as_entry_point(
+    monkeypatch: Any, argv: Sequence[str], cwd: Optional[Path], env: Optional[Dict[str, str]] = None
+) -> Iterator[None]:
+    """This process as a console script's: ``sys.argv`` set to ``argv``, ``env`` added to an environment without a
+    launcher's or the traceback switch's variables, in ``cwd``; the SIGTERM handler restored after (a config error's
+    exit ignores SIGTERM, for torchrun)."""
+    for name in _LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", list(argv))
+    if cwd is not None:
+        monkeypatch.chdir(cwd)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+
+
 def run_main(
     main: Callable[[], Any],
     argv: Sequence[str],
@@ -79,25 +101,16 @@ def run_main(
     Returns:
         subprocess.CompletedProcess: ``argv``, the exit code, and what it wrote to stdout and stderr.
     """
-    for name in _LAUNCHER_ENV:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "argv", list(argv))
-    if cwd is not None:
-        monkeypatch.chdir(cwd)
-    capfd.readouterr()  # what earlier code printed is not this run's
-    sigterm = signal.getsignal(signal.SIGTERM)  # a config error's exit ignores SIGTERM (rank 0, for torchrun)
     code: Any = 0
-    try:
-        main()
-    except SystemExit as stop:
-        code = stop.code
-    except Exception:
-        traceback.print_exc()
-        code = 1
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
+    with _called_as_entry_point(monkeypatch, argv, cwd, env):
+        capfd.readouterr()  # what earlier code printed is not this run's
+        try:
+            main()
+        except SystemExit as stop:
+            code = stop.code
+        except Exception:
+            traceback.print_exc()
+            code = 1
     printed = capfd.readouterr()
     if code is None:
         code = 0
@@ -111,20 +124,12 @@ def run_recipe_in_process(recipe: Path, args: Sequence[str], cwd: Optional[Path]
     """Runs ``tune run <recipe> <args>`` on one device in this process: the recipe file's ``recipe_main`` with that
     ``sys.argv``, in ``cwd``, without a launcher's variables (a launched ``tune run`` costs ~10 s of start-up; this
     costs none). What it prints goes to the test's output; a non-zero exit fails the caller with its code."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        for name in _LAUNCHER_ENV:
-            monkeypatch.delenv(name, raising=False)
-        monkeypatch.setattr(sys, "argv", [str(recipe), *args])
-        if cwd is not None:
-            monkeypatch.chdir(cwd)
-        sigterm = signal.getsignal(signal.SIGTERM)  # a config error's exit ignores SIGTERM
+    with pytest.MonkeyPatch.context() as monkeypatch, _called_as_entry_point(monkeypatch, [str(recipe), *args], cwd):
         try:
             load_recipe(recipe).recipe_main()
         except SystemExit as stop:
             if stop.code not in (None, 0):
                 raise AssertionError(f"{recipe.name} {' '.join(args)} exited with {stop.code}") from stop
-        finally:
-            signal.signal(signal.SIGTERM, sigterm)
 
 
 def free_port() -> int:
