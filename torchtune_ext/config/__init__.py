@@ -1,5 +1,5 @@
 """The bottom layer: the errors every layer raises (:class:`UserFacingError`, :class:`ConfigError`, in ``_errors``),
-the QLoRA recipes' config schema (``_schema``: every key once) and the config checks run before any work, reported one
+the recipes' config schemas (``_schema``: every key once) and the config checks run before any work, reported one
 line per problem without a traceback. It imports nothing else of torchtune_ext."""
 
 from torchtune_ext.config._check import check_config, check_generation_config
@@ -21,12 +21,17 @@ from torchtune_ext.config._keys import suggest
 from torchtune_ext.config._parse import parse
 from torchtune_ext.config._schema import (
     EVAL_KEYS,
+    EVAL_SCHEMA,
     GENERATION_KEYS,
+    GENERATION_SCHEMA,
     RECIPE_KEYS,
     RECIPE_SCHEMA,
     Key,
     Rule,
+    check_setting,
+    declared,
     key_table,
+    key_tables,
     positive_integer,
     recipe_setting,
 )
@@ -36,7 +41,9 @@ __all__ = [
     "CONFIG_ERROR_DIR_ENV",
     "CONFIG_ERROR_EXIT_CODE",
     "EVAL_KEYS",
+    "EVAL_SCHEMA",
     "GENERATION_KEYS",
+    "GENERATION_SCHEMA",
     "RECIPE_KEYS",
     "RECIPE_SCHEMA",
     "TOKENIZER_FILE_KEYS",
@@ -50,9 +57,12 @@ __all__ = [
     "bad_value",
     "check_config",
     "check_generation_config",
+    "check_setting",
+    "declared",
     "exit_on_config_error",
     "instantiate_component",
     "key_table",
+    "key_tables",
     "missing_tokenizer_file",
     "parse",
     "positive_integer",

@@ -1,12 +1,14 @@
-"""The QLoRA recipes' config schema: every key they read, declared once (:data:`RECIPE_SCHEMA`: its type, default,
-allowed values and one line of doc). The unknown-key check (:data:`RECIPE_KEYS`), the range checks, the settings the
-loop reads (:func:`recipe_setting`, ``torchtune_ext.training.RecipeSettings``) and the key table of
-``docs/config-keys.md`` (:func:`key_table`) all come from it."""
+"""The recipes' config schemas: every key a recipe reads, declared once (:data:`RECIPE_SCHEMA` for the QLoRA recipes,
+:data:`GENERATION_SCHEMA` for ``generate``, :data:`EVAL_SCHEMA` for ``eleuther_eval``: its type, default, allowed
+values and one line of doc). The unknown-key checks (:data:`RECIPE_KEYS`, :data:`GENERATION_KEYS`,
+:data:`EVAL_KEYS`), the range checks, the settings the recipes read (:func:`recipe_setting`,
+``torchtune_ext.training.RecipeSettings``, ``torchtune_ext.generation.SamplingSettings``) and the key tables of
+``docs/config-keys.md`` (:func:`key_tables`) all come from them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig
 
@@ -78,7 +80,7 @@ MERGE_BASES = ("nf4", "original")
 
 @dataclass(frozen=True)
 class Key:
-    """One key of the QLoRA recipes' config.
+    """One key of a recipe's config.
 
     Args:
         name (str): the key; dotted for an argument of a section (``model.lora_rank``), checked when present.
@@ -319,28 +321,118 @@ _SECTION_ARGUMENTS: Tuple[Key, ...] = (
 #: harmless on one device), then the section arguments checked at start-up. A key a recipe starts to read is added
 #: here.
 RECIPE_SCHEMA: Tuple[Key, ...] = (*_COMPONENTS, *_RUN, *_DRY_RUN, *_DISTRIBUTED, *_SECTION_ARGUMENTS)
-_BY_NAME = {key.name: key for key in RECIPE_SCHEMA}
-#: the top-level keys of :data:`RECIPE_SCHEMA`: any other is an unknown key.
-RECIPE_KEYS = frozenset(key.name for key in RECIPE_SCHEMA if "." not in key.name)
 #: sections that must be a ``_component_`` section, and those that may be null too.
 REQUIRED_COMPONENTS = tuple(key.name for key in _COMPONENTS if key.default == REQUIRED)
 OPTIONAL_COMPONENTS = tuple(key.name for key in _COMPONENTS if key.default != REQUIRED)
 
-#: every top-level key the generation recipe reads (:class:`torchtune_ext.generation.GenerationRecipe`).
-GENERATION_KEYS = frozenset(
-    {
-        "model", "tokenizer", "checkpointer", "output_dir", "adapter_dir", "dtype", "device", "dry_run", "mode",
-        "prompt", "prompts", "prompts_file", "chat", "answers_file",
-        "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "use_cache", "max_seq_len",
-    }
-)  # fmt: skip
-#: every top-level key the ``eleuther_eval`` recipe reads (:class:`torchtune_ext.evaluation.EleutherEvalRecipe`).
-EVAL_KEYS = frozenset(
-    {
-        "model", "tokenizer", "checkpointer", "output_dir", "adapter_dir", "merged_dir", "dtype", "device", "seed",
-        "tasks", "include_path", "limit", "num_fewshot", "batch_size", "max_seq_len", "output_file", "bootstrap_iters",
-    }
-)  # fmt: skip
+_TRAINED_MODEL: Tuple[Key, ...] = (
+    Key("model", "component", REQUIRED, "the training config's model section: the adapter must fit it"),
+    Key("tokenizer", "component", REQUIRED, "the tokenizer builder and its files, as in training"),
+    Key(
+        "checkpointer", "component", REQUIRED, "the base checkpoint's folder, files and model type (nothing is written)"
+    ),
+    Key("output_dir", "str", None, "the folder the config's `${output_dir}` names (the checkpointer's, unused)"),
+    Key("adapter_dir", "str", None, "the PEFT adapter folder (a run's `step_N/adapter`); null: the base model alone"),
+    Key("dtype", "str", "fp32", "the compute dtype: `fp32`, `bf16` or `fp16`"),
+    Key("device", "str", REQUIRED, "the device (`cpu`, `cuda`, `cuda:1`, `mps`, ...)"),
+)
+#: every key the generate recipe reads (``torchtune_ext.generation.GenerationRecipe``), each once.
+GENERATION_SCHEMA: Tuple[Key, ...] = (
+    *_TRAINED_MODEL,
+    Key("dry_run", "bool", False, "print the weights' and KV caches' memory at `max_seq_len`; loads nothing"),
+    Key("mode", "str", "generate", "`generate`: answer the prompts; `chat`: a chat on the terminal (`tune-ext chat`)"),
+    Key("prompt", "str or list", None, "a prompt or a list of them (e.g. from the command line); replaces `prompts`"),
+    Key("prompts", "list", None, "the config's prompts (strings or chat messages)"),
+    Key(
+        "prompts_file",
+        "str",
+        None,
+        'JSONL, one `{"prompt": ...}` or `{"messages": [...]}` per line; replaces `prompt` and `prompts`',
+    ),
+    Key("chat", "bool", True, "string prompts go through the tokenizer's chat template; false: raw text"),
+    Key("answers_file", "str", None, "JSONL out: `prompt`, `answer`, `new_tokens`, `stop_reason` per prompt"),
+    Key(
+        "max_new_tokens",
+        "int",
+        128,
+        "new tokens per answer at most",
+        Rule(lambda v: _is_int(v) and v >= 1, "a positive integer", fix="e.g. 128"),
+    ),
+    Key(
+        "temperature",
+        "float",
+        0.0,
+        "0: greedy; else the logits are divided by it before sampling",
+        Rule(lambda v: _is_number(v) and v >= 0, "a number >= 0", fix="0: greedy, e.g. 0.7: sampled"),
+    ),
+    Key(
+        "top_k",
+        "int",
+        None,
+        "sample among the `top_k` most likely tokens; null: all",
+        Rule(lambda v: v is None or _is_int(v) and v >= 1, "a positive integer or null", fix="e.g. 50"),
+    ),
+    Key(
+        "top_p",
+        "float",
+        None,
+        "sample among the most likely tokens whose probabilities add up to `top_p`; null: all",
+        Rule(
+            lambda v: v is None or _is_number(v) and 0 < v <= 1,
+            "a number in (0, 1], or null",
+            "must be in (0, 1] or null",
+            "e.g. 0.9",
+        ),
+    ),
+    Key("seed", "int", None, "the sampling RNG's seed; null: nondeterministic"),
+    Key("stop", "list", (), "strings that end an answer (it is cut before them), besides EOS"),
+    Key("use_cache", "bool", True, "decode with KV caches; false: re-run the whole sequence per token"),
+    Key(
+        "max_seq_len",
+        "int",
+        None,
+        "prompt + answer tokens at most (the KV caches' length); null: the model's",
+        positive_integer(True),
+    ),
+)
+#: every key the ``eleuther_eval`` recipe reads (``torchtune_ext.evaluation.EleutherEvalRecipe``), each once.
+EVAL_SCHEMA: Tuple[Key, ...] = (
+    *_TRAINED_MODEL,
+    Key(
+        "merged_dir",
+        "str",
+        None,
+        "a merged HF folder, evaluated in `dtype` (`model`, `checkpointer`, `adapter_dir` then unused)",
+    ),
+    Key("tasks", "list", REQUIRED, "lm-eval task names, groups or tags (or task YAML files)"),
+    Key("include_path", "str", None, "a folder of local lm-eval task YAMLs"),
+    Key("num_fewshot", "int", None, "few-shot examples per prompt; null: each task's own"),
+    Key("limit", "float", None, "documents per task at most (below 1: that share of them); null: all"),
+    Key("batch_size", "int", REQUIRED, "requests per forward", positive_integer(False)),
+    Key(
+        "max_seq_len", "int", REQUIRED, "tokens per request at most (and the model's at most)", positive_integer(False)
+    ),
+    Key("output_file", "str", None, "lm-eval's results JSON, with every sample's scores; null: none"),
+    Key("bootstrap_iters", "int", 0, "lm-eval's bootstrap resamples for the metrics' standard errors; 0: none"),
+    Key("seed", "int", 1234, "the seed of torch, Python, NumPy and lm-eval's few-shot sampling"),
+)
+
+
+def _top_level(schema: Sequence[Key]) -> frozenset:
+    return frozenset(key.name for key in schema if "." not in key.name)
+
+
+#: the top-level keys of :data:`RECIPE_SCHEMA`: any other is an unknown key.
+RECIPE_KEYS = _top_level(RECIPE_SCHEMA)
+#: the top-level keys of :data:`GENERATION_SCHEMA` and :data:`EVAL_SCHEMA`.
+GENERATION_KEYS = _top_level(GENERATION_SCHEMA)
+EVAL_KEYS = _top_level(EVAL_SCHEMA)
+#: each recipe's schema, as ``docs/config-keys.md`` lists them: the recipes it serves, the schema.
+SCHEMAS: Tuple[Tuple[Tuple[str, ...], Tuple[Key, ...]], ...] = (
+    (("qlora_finetune_single_device", "qlora_finetune_distributed"), RECIPE_SCHEMA),
+    (("generate",), GENERATION_SCHEMA),
+    (("eleuther_eval",), EVAL_SCHEMA),
+)
 
 
 def lookup(cfg: DictConfig, dotted: str) -> Tuple[bool, Any]:
@@ -360,12 +452,53 @@ def lookup(cfg: DictConfig, dotted: str) -> Tuple[bool, Any]:
     return True, node
 
 
-def recipe_setting(cfg: DictConfig, key: str) -> Any:
-    """A key of :data:`RECIPE_SCHEMA` as the recipe reads it: the config's value, else the key's default.
+def declared(key: str, schema: Sequence[Key] = RECIPE_SCHEMA) -> Key:
+    """
+    Args:
+        key (str): a key, dotted for a section's argument.
+        schema (Sequence[Key]): its recipe's schema (:data:`RECIPE_SCHEMA`, :data:`GENERATION_SCHEMA`,
+            :data:`EVAL_SCHEMA`).
+
+    Returns:
+        Key: its declaration.
+
+    Raises:
+        KeyError: if ``schema`` does not declare it.
+    """
+    for spec in schema:
+        if spec.name == key:
+            return spec
+    raise KeyError(f"{key} is not declared in the schema: declare it in torchtune_ext/config/_schema.py")
+
+
+def check_setting(key: str, value: Any, schema: Sequence[Key] = RECIPE_SCHEMA) -> Any:
+    """
+    Args:
+        key (str): a key of ``schema``.
+        value (Any): a value of it (from a config, or given to a class that takes the setting).
+        schema (Sequence[Key]): its recipe's schema.
+
+    Returns:
+        Any: ``value``.
+
+    Raises:
+        ConfigError: if the key's rule does not allow the value, naming the key, the value and the fix.
+    """
+    rule = declared(key, schema).rule
+    error = rule.error(key, value) if rule is not None else None
+    if error is not None:
+        raise error
+    return value
+
+
+def recipe_setting(cfg: DictConfig, key: str, schema: Sequence[Key] = RECIPE_SCHEMA) -> Any:
+    """A key as its recipe reads it: the config's value, else the key's default.
 
     Args:
         cfg (DictConfig): the recipe config.
         key (str): the key, e.g. ``epochs`` or ``tokenizer.max_seq_len``.
+        schema (Sequence[Key]): the recipe's schema: :data:`RECIPE_SCHEMA` (the QLoRA recipes'),
+            :data:`GENERATION_SCHEMA` or :data:`EVAL_SCHEMA`.
 
     Returns:
         Any: the value.
@@ -373,7 +506,7 @@ def recipe_setting(cfg: DictConfig, key: str) -> Any:
     Raises:
         ConfigError: if the value is not one the key allows, or the config lacks a key it must set.
     """
-    spec = _BY_NAME[key]
+    spec = declared(key, schema)
     present, value = lookup(cfg, key)
     if not present and spec.default == COMPONENTS_OWN:
         raise ValueError(f"{key} is an argument of a component, read by the component itself")
@@ -381,26 +514,35 @@ def recipe_setting(cfg: DictConfig, key: str) -> Any:
         if spec.default == REQUIRED:
             raise ConfigError(f"{key} is missing: the recipe needs it ({spec.doc}); set {key}=...", key)
         return spec.default
-    error = spec.rule.error(key, value) if spec.rule is not None else None
-    if error is not None:
-        raise error
-    return value
+    return check_setting(key, value, schema)
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def key_table() -> str:
+def key_table(schema: Sequence[Key] = RECIPE_SCHEMA) -> str:
     """
+    Args:
+        schema (Sequence[Key]): a recipe's schema.
+
     Returns:
-        str: :data:`RECIPE_SCHEMA` as a Markdown table (key, type, default, allowed values, what it does), the one in
-        ``docs/config-keys.md``.
+        str: the schema as a Markdown table (key, type, default, allowed values, what it does).
     """
     rows = ["| key | type | default | allowed | what it does |", "|---|---|---|---|---|"]
-    for key in RECIPE_SCHEMA:
+    for key in schema:
         default = key.default if key.default in (REQUIRED, COMPONENTS_OWN) else f"`{key.default}`"
         default = "null" if key.default is None else default
         allowed = key.rule.what if key.rule is not None else ""
         rows.append(f"| `{key.name}` | {key.type} | {default} | {_cell(allowed)} | {_cell(key.doc)} |")
     return "\n".join(rows) + "\n"
+
+
+def key_tables() -> str:
+    """
+    Returns:
+        str: each recipe's key table under a heading naming its recipes (:data:`SCHEMAS`): the generated part of
+        ``docs/config-keys.md``.
+    """
+    headings = [", ".join(f"`{name}`" for name in recipes) for recipes, _ in SCHEMAS]
+    return "\n".join(f"## {heading}\n\n{key_table(schema)}" for heading, (_, schema) in zip(headings, SCHEMAS))

@@ -22,11 +22,12 @@ from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import read_hf_config
 from torchtune_ext.config import (
     EVAL_KEYS,
+    EVAL_SCHEMA,
     ConfigError,
     ConfigFileNotFoundError,
-    bad_value,
     check_generation_config,
     instantiate_component,
+    recipe_setting,
 )
 from torchtune_ext.generation import load_model_with_adapter
 from torchtune_ext.models import torchtune_builder_for
@@ -75,11 +76,9 @@ def load_merged_model(merged_dir: str, dtype: torch.dtype, device: torch.device)
 class EleutherEvalRecipe:
     """lm-eval tasks on the model as it trained or on a merged folder; settings are checked before any load.
 
-    Config keys: ``model``, ``tokenizer``, ``checkpointer`` and ``adapter_dir`` (the model as it trained: the base
-    streamed into NF4 + the adapter; null adapter: the base alone) or ``merged_dir`` (a merged HF folder, loaded in
-    ``dtype``; then ``model``/``checkpointer``/``adapter_dir`` are not used); ``tasks`` (lm-eval task names),
-    ``include_path`` (a folder of local task YAMLs), ``limit``, ``num_fewshot``, ``batch_size``, ``max_seq_len``,
-    ``dtype``, ``device``, ``seed``, ``output_file`` (results JSON, with the per-sample scores).
+    Config keys: those of ``torchtune_ext.config.EVAL_SCHEMA`` (their types, defaults and allowed values:
+    ``docs/config-keys.md``): the model as it trained (``model``, ``tokenizer``, ``checkpointer``, ``adapter_dir``:
+    the base streamed into NF4 + the adapter) or ``merged_dir`` (a merged HF folder, loaded in ``dtype``).
 
     Args:
         cfg (DictConfig): the config.
@@ -93,24 +92,24 @@ class EleutherEvalRecipe:
 
     def __init__(self, cfg: DictConfig):
         check_generation_config(cfg, EVAL_KEYS)  # unknown keys, a device that is not there
-        self._device = utils.get_device(device=cfg.device)
-        self._dtype = parse_dtype(cfg.get("dtype", "fp32"), self._device)
-        tasks = cfg.get("tasks", None)
+        self._device = utils.get_device(device=recipe_setting(cfg, "device", EVAL_SCHEMA))
+        self._dtype = parse_dtype(recipe_setting(cfg, "dtype", EVAL_SCHEMA), self._device)
+        tasks = recipe_setting(cfg, "tasks", EVAL_SCHEMA)
         self.tasks = list(tasks) if isinstance(tasks, (list, ListConfig)) else ([tasks] if tasks else [])
         if not self.tasks:
             raise ConfigError("tasks is empty: name lm-eval tasks, e.g. tasks=[arc_easy,hellaswag].", "tasks")
-        for key in ("batch_size", "max_seq_len"):
-            if not isinstance(cfg.get(key, None), int) or cfg[key] < 1:
-                raise bad_value(key, cfg.get(key, None), "must be a positive integer")
-        self._include_path = cfg.get("include_path", None)
-        self._merged_dir = cfg.get("merged_dir", None)
+        self._batch_size = recipe_setting(cfg, "batch_size", EVAL_SCHEMA)
+        self._max_seq_len = recipe_setting(cfg, "max_seq_len", EVAL_SCHEMA)
+        self._include_path = recipe_setting(cfg, "include_path", EVAL_SCHEMA)
+        self._merged_dir = recipe_setting(cfg, "merged_dir", EVAL_SCHEMA)
         for key, path in (("include_path", self._include_path), ("merged_dir", self._merged_dir)):
             if path is not None and not Path(path).is_dir():
                 raise ConfigFileNotFoundError(f"{key}={path} is not a folder.", key)
-        self._output_file = cfg.get("output_file", None)
+        self._output_file = recipe_setting(cfg, "output_file", EVAL_SCHEMA)
         self._lm_class = _torchtune_lm_class()
         self._task_manager = _task_manager(self.tasks, self._include_path)
-        training.set_seed(seed=cfg.get("seed", 1234))
+        self._seed = recipe_setting(cfg, "seed", EVAL_SCHEMA)
+        training.set_seed(seed=self._seed)
 
     def setup(self, cfg: DictConfig) -> None:
         """Loads the tokenizer and the model (merged, or the base into NF4 + the adapter, checked first)."""
@@ -120,13 +119,13 @@ class EleutherEvalRecipe:
             model, what = load_merged_model(self._merged_dir, self._dtype, self._device), self._merged_dir
         else:
             checkpointer = instantiate_component(cfg.checkpointer, "checkpointer")
-            adapter_dir = cfg.get("adapter_dir", None)
+            adapter_dir = recipe_setting(cfg, "adapter_dir", EVAL_SCHEMA)
             model = load_model_with_adapter(
                 checkpointer, adapter_dir, model=cfg.model, dtype=self._dtype, device=self._device
             )
             what = f"{checkpointer.checkpoint_dir} into NF4 + adapter {adapter_dir}"
-        max_seq_len = min(cfg.max_seq_len, model.max_seq_len)
-        self.lm = self._lm_class(model, tokenizer, self._dtype, self._device, max_seq_len, cfg.batch_size)
+        max_seq_len = min(self._max_seq_len, model.max_seq_len)
+        self.lm = self._lm_class(model, tokenizer, self._dtype, self._device, max_seq_len, self._batch_size)
         print(f"Loaded {what} in {time.perf_counter() - start:.1f} s (dtype {self._dtype}).", flush=True)
 
     def evaluate(self, cfg: DictConfig) -> Dict[str, Any]:
@@ -142,12 +141,12 @@ class EleutherEvalRecipe:
         output = simple_evaluate(
             model=self.lm,
             tasks=self.tasks,
-            num_fewshot=cfg.get("num_fewshot", None),
-            limit=cfg.get("limit", None),
+            num_fewshot=recipe_setting(cfg, "num_fewshot", EVAL_SCHEMA),
+            limit=recipe_setting(cfg, "limit", EVAL_SCHEMA),
             task_manager=self._task_manager,
             log_samples=self._output_file is not None,
-            bootstrap_iters=int(cfg.get("bootstrap_iters", 0)),
-            random_seed=cfg.get("seed", 1234),
+            bootstrap_iters=int(recipe_setting(cfg, "bootstrap_iters", EVAL_SCHEMA)),
+            random_seed=self._seed,
         )
         print(f"Evaluated {self.tasks} in {time.perf_counter() - start:.1f} s.\n{make_table(output)}", flush=True)
         if self._device.type == "cuda":

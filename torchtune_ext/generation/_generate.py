@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -13,15 +13,20 @@ from torch import nn
 from torchtune.data import Message
 from torchtune.modules.common_utils import delete_kv_caches
 
-from torchtune_ext.config import bad_value
+from torchtune_ext.config import GENERATION_SCHEMA, bad_value, check_setting, declared
 
 #: prompt tokens per cached forward (see ``Generator``).
 PREFILL_CHUNK = 512
 
 
+def _default(key: str) -> Any:
+    return declared(key, GENERATION_SCHEMA).default
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How the next token is chosen and when decoding stops.
+    """How the next token is chosen and when decoding stops; the defaults and allowed values are the generate
+    recipe's config schema's (``torchtune_ext.config.GENERATION_SCHEMA``).
 
     Args:
         max_new_tokens (int): at most this many new tokens.
@@ -38,30 +43,18 @@ class SamplingSettings:
             (0, 1], naming the setting (a ``ValueError``).
     """
 
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    seed: Optional[int] = None
-    stop: Tuple[str, ...] = field(default_factory=tuple)
-    use_cache: bool = True
+    max_new_tokens: int = _default("max_new_tokens")
+    temperature: float = _default("temperature")
+    top_k: Optional[int] = _default("top_k")
+    top_p: Optional[float] = _default("top_p")
+    seed: Optional[int] = _default("seed")
+    stop: Tuple[str, ...] = _default("stop")
+    use_cache: bool = _default("use_cache")
     ignore_eos: bool = False
 
     def __post_init__(self):
-        def integer(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        def number(value: Any) -> bool:
-            return integer(value) or isinstance(value, float)
-
-        if not (integer(self.max_new_tokens) and self.max_new_tokens >= 1):
-            raise bad_value("max_new_tokens", self.max_new_tokens, "must be a positive integer", "e.g. 128")
-        if not (number(self.temperature) and self.temperature >= 0):
-            raise bad_value("temperature", self.temperature, "must be a number >= 0", "0: greedy, e.g. 0.7: sampled")
-        if self.top_k is not None and not (integer(self.top_k) and self.top_k >= 1):
-            raise bad_value("top_k", self.top_k, "must be a positive integer or null", "e.g. 50")
-        if self.top_p is not None and not (number(self.top_p) and 0 < self.top_p <= 1):
-            raise bad_value("top_p", self.top_p, "must be in (0, 1] or null", "e.g. 0.9")
+        for key in ("max_new_tokens", "temperature", "top_k", "top_p"):
+            check_setting(key, getattr(self, key), GENERATION_SCHEMA)
 
 
 def sample_next_token(

@@ -17,10 +17,12 @@ from torchtune import utils
 from torchtune_ext._dtype import parse_dtype
 from torchtune_ext.checkpoint import check_writable, read_hf_config
 from torchtune_ext.config import (
+    GENERATION_SCHEMA,
     ConfigError,
     ConfigFileNotFoundError,
     check_generation_config,
     instantiate_component,
+    recipe_setting,
 )
 from torchtune_ext.generation._generate import (
     PREFILL_CHUNK,
@@ -89,12 +91,8 @@ def read_prompts(path: str) -> List[Any]:
 class GenerationRecipe:
     """Generation with the model as it trained; every setting is checked in ``__init__``, before any weight loads.
 
-    Config keys: ``model``, ``tokenizer``, ``checkpointer`` (as in the training config), ``adapter_dir`` (null: the
-    base alone; not needed by a dry run), ``dtype``, ``device``; prompts: ``prompt`` (a string or a list; replaces
-    the default list ``prompts``) or ``prompts_file`` (JSONL; replaces both),
-    ``chat`` (apply the tokenizer's chat template to string prompts), ``answers_file`` (JSONL out, optional);
-    sampling: ``max_new_tokens``, ``temperature`` (0: greedy), ``top_k``, ``top_p``, ``seed``, ``stop`` (strings),
-    ``use_cache``, ``max_seq_len``.
+    Config keys: those of ``torchtune_ext.config.GENERATION_SCHEMA`` (their types, defaults and allowed values:
+    ``docs/config-keys.md``); ``adapter_dir`` is not needed by a dry run.
 
     Args:
         cfg (DictConfig): the config.
@@ -105,37 +103,45 @@ class GenerationRecipe:
     """
 
     def __init__(self, cfg: DictConfig):
-        if cfg.get("dry_run", False) and OmegaConf.is_missing(cfg, "adapter_dir"):
+        self._dry_run = bool(recipe_setting(cfg, "dry_run", GENERATION_SCHEMA))
+        if self._dry_run and OmegaConf.is_missing(cfg, "adapter_dir"):
             cfg.adapter_dir = None  # the estimate takes the LoRA shape from `model:`; it reads no adapter
         check_generation_config(cfg)  # unknown keys, a device that is not there: one line, exit 2
-        self._dry_run = bool(cfg.get("dry_run", False))
-        self._device = torch.device(cfg.device) if self._dry_run else utils.get_device(device=cfg.device)
-        self._dtype = parse_dtype(cfg.get("dtype", "fp32"), None if self._dry_run else self._device)
-        stop = cfg.get("stop", None) or []
+        device = recipe_setting(cfg, "device", GENERATION_SCHEMA)
+        self._device = torch.device(device) if self._dry_run else utils.get_device(device=device)
+        dtype = recipe_setting(cfg, "dtype", GENERATION_SCHEMA)
+        self._dtype = parse_dtype(dtype, None if self._dry_run else self._device)
+        stop = recipe_setting(cfg, "stop", GENERATION_SCHEMA) or ()
         self.settings = SamplingSettings(
-            max_new_tokens=cfg.get("max_new_tokens", 128),
-            temperature=cfg.get("temperature", 0.0),
-            top_k=cfg.get("top_k", None),
-            top_p=cfg.get("top_p", None),
-            seed=cfg.get("seed", None),
+            max_new_tokens=recipe_setting(cfg, "max_new_tokens", GENERATION_SCHEMA),
+            temperature=recipe_setting(cfg, "temperature", GENERATION_SCHEMA),
+            top_k=recipe_setting(cfg, "top_k", GENERATION_SCHEMA),
+            top_p=recipe_setting(cfg, "top_p", GENERATION_SCHEMA),
+            seed=recipe_setting(cfg, "seed", GENERATION_SCHEMA),
             stop=tuple([stop] if isinstance(stop, str) else stop),
-            use_cache=bool(cfg.get("use_cache", True)),
+            use_cache=bool(recipe_setting(cfg, "use_cache", GENERATION_SCHEMA)),
         )
-        self._chat = bool(cfg.get("chat", True))
-        self._max_seq_len = cfg.get("max_seq_len", None)
-        # `prompts_file` replaces the config's prompts; `prompt` (the command line's) replaces its default `prompts`
-        prompt = cfg.get("prompt", None)
-        prompt = cfg.get("prompts", None) if prompt is None else prompt
-        prompts = list(prompt) if isinstance(prompt, (list, ListConfig)) else ([prompt] if prompt else [])
-        if cfg.get("prompts_file", None):
-            self.prompts: List[Any] = read_prompts(cfg.prompts_file)
-        else:
-            self.prompts = [_prompt_text(p) for p in prompts]
-        if not self.prompts and cfg.get("mode", "generate") != "chat" and not self._dry_run:
+        self._chat = bool(recipe_setting(cfg, "chat", GENERATION_SCHEMA))
+        self._max_seq_len = recipe_setting(cfg, "max_seq_len", GENERATION_SCHEMA)
+        self._mode = recipe_setting(cfg, "mode", GENERATION_SCHEMA)
+        self.prompts = self._read_prompts(cfg)
+        if not self.prompts and self._mode != "chat" and not self._dry_run:
             raise ConfigError("No prompts: set prompt=<text> (or a list) or prompts_file=<file.jsonl>.", "prompt")
-        self._answers_file = cfg.get("answers_file", None)
+        self._answers_file = recipe_setting(cfg, "answers_file", GENERATION_SCHEMA)
         if self._answers_file:
             check_writable(Path(self._answers_file).parent, "answers_file")
+
+    @staticmethod
+    def _read_prompts(cfg: DictConfig) -> List[Any]:
+        """`prompts_file` replaces the config's prompts; `prompt` (the command line's) replaces its default
+        `prompts`."""
+        prompts_file = recipe_setting(cfg, "prompts_file", GENERATION_SCHEMA)
+        if prompts_file:
+            return read_prompts(prompts_file)
+        prompt = recipe_setting(cfg, "prompt", GENERATION_SCHEMA)
+        prompt = recipe_setting(cfg, "prompts", GENERATION_SCHEMA) if prompt is None else prompt
+        prompts = list(prompt) if isinstance(prompt, (list, ListConfig)) else ([prompt] if prompt else [])
+        return [_prompt_text(p) for p in prompts]
 
     def setup(self, cfg: DictConfig) -> None:
         """Loads the tokenizer and the model (the base streamed into NF4 + the adapter, checked first)."""
@@ -144,7 +150,7 @@ class GenerationRecipe:
         self._tokenizer = build_tokenizer(cfg.tokenizer)
         if self._chat:
             check_chat_prompt(self._tokenizer, cfg.tokenizer.get("_component_", ""))
-        adapter_dir = cfg.get("adapter_dir", None)
+        adapter_dir = recipe_setting(cfg, "adapter_dir", GENERATION_SCHEMA)
         model = load_model_with_adapter(
             checkpointer, adapter_dir, model=cfg.model, dtype=self._dtype, device=self._device
         )
@@ -275,7 +281,7 @@ def run_generation(cfg: DictConfig) -> Optional[List[Dict[str, Any]]]:
         recipe.dry_run(cfg)
         return None
     recipe.setup(cfg)
-    if cfg.get("mode", "generate") == "chat":
+    if recipe._mode == "chat":
         recipe.chat()
         return None
     return recipe.generate()

@@ -1,5 +1,5 @@
-"""The config schema: each QLoRA recipe key declared once, and the unknown-key check, the range checks, the recipe's
-settings and the docs' key table all read from it."""
+"""The config schemas: each key of the QLoRA, generate and eleuther_eval recipes declared once, and the unknown-key
+checks, the range checks, the recipes' settings and the docs' key tables all read from them."""
 
 import ast
 import re
@@ -10,8 +10,21 @@ import pytest
 from omegaconf import OmegaConf
 
 from torchtune_ext.checkpoint import DEFAULT_KEEP_LAST_N, MERGE_BASES
-from torchtune_ext.config import RECIPE_KEYS, RECIPE_SCHEMA, ConfigError, check_config, key_table, recipe_setting
+from torchtune_ext.config import (
+    EVAL_KEYS,
+    EVAL_SCHEMA,
+    GENERATION_KEYS,
+    GENERATION_SCHEMA,
+    RECIPE_KEYS,
+    RECIPE_SCHEMA,
+    ConfigError,
+    check_config,
+    key_tables,
+    recipe_setting,
+)
 from torchtune_ext.config._schema import _SECTION_ARGUMENTS, COMPONENTS_OWN, REQUIRED
+from torchtune_ext.evaluation import EleutherEvalRecipe
+from torchtune_ext.generation import GenerationRecipe, SamplingSettings
 from torchtune_ext.memory import DEFAULT_HEADROOM
 from torchtune_ext.training import RecipeSettings
 
@@ -19,6 +32,15 @@ ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "configs" / "tiny" / "qlora_single_device.yaml"
 #: the code that reads a QLoRA recipe's config (as ``cfg``).
 READERS = ("torchtune_ext/training/*.py", "torchtune_ext/memory/*.py", "recipes/qlora_finetune_*.py")
+#: the code that reads the generate and the eleuther_eval recipes' configs, and their schemas.
+OTHER_READERS = {
+    "generate": (("torchtune_ext/generation/*.py", "recipes/generate.py"), GENERATION_SCHEMA),
+    "eleuther_eval": (("torchtune_ext/evaluation/*.py", "recipes/eleuther_eval.py"), EVAL_SCHEMA),
+}
+#: the generate recipe's keys that are ``SamplingSettings``' fields.
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "use_cache")
+GENERATION = ROOT / "configs" / "tiny" / "generation.yaml"
+EVAL = ROOT / "configs" / "tiny" / "eleuther_eval.yaml"
 #: modules whose ``cfg`` is a section, not the recipe config.
 SECTION_READERS = ("_interrupt.py",)
 #: RecipeSettings fields that are the value of a key of another name.
@@ -27,27 +49,37 @@ _FIELD_KEYS = {"keep_last_n": "keep_last_n_checkpoints", "max_seq_len": "tokeniz
 _DERIVED = {"device", "dtype", "adapter_dtype", "vocab_pruning", "keep_last_n"}
 
 
-def test_the_docs_key_table_is_the_schemas():
+def test_the_docs_key_tables_are_the_schemas():
     docs = (ROOT / "docs" / "config-keys.md").read_text()
-    table = docs[docs.index("| key | type |") :]
-    assert table == key_table(), "regenerate docs/config-keys.md's table (the command is in the file)"
+    generated = key_tables()
+    assert generated.count("| key | type |") == 3
+    tables = docs[docs.index(generated.splitlines()[0]) :]
+    assert tables == generated, "regenerate docs/config-keys.md's tables (the command is in the file)"
 
 
-def test_each_key_is_declared_once():
-    names = [key.name for key in RECIPE_SCHEMA]
+@pytest.mark.parametrize(
+    "schema, keys",
+    [(RECIPE_SCHEMA, RECIPE_KEYS), (GENERATION_SCHEMA, GENERATION_KEYS), (EVAL_SCHEMA, EVAL_KEYS)],
+    ids=["qlora", "generate", "eleuther_eval"],
+)
+def test_each_key_is_declared_once(schema, keys):
+    names = [key.name for key in schema]
     assert sorted(name for name in set(names) if names.count(name) > 1) == []
-    assert RECIPE_KEYS == {name for name in names if "." not in name}
+    assert keys == {name for name in names if "." not in name}
 
 
 def _keys_read(path: Path) -> Set[str]:
     """The top-level keys ``path`` reads from a ``cfg``: ``cfg.get("key", ...)``, ``cfg.key``, ``cfg["key"]``,
-    ``recipe_setting(cfg, "key")``."""
+    ``recipe_setting(cfg, "key"[, schema])``."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cfg":
             found.add(node.attr)
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "cfg":
+            if isinstance(node.slice, ast.Constant):
+                found.add(node.slice.value)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "recipe_setting":
-            if len(node.args) == 2 and isinstance(node.args[1], ast.Constant):
+            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
                 found.add(node.args[1].value)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
             owner = node.func.value
@@ -62,6 +94,57 @@ def test_every_key_the_recipe_reads_is_declared():
     read = {key for path in files for key in _keys_read(path)}
     assert "batch_size" in read or "dry_run" in read  # the scan finds what it looks for
     assert sorted(read - RECIPE_KEYS) == []
+
+
+@pytest.mark.parametrize("recipe", sorted(OTHER_READERS))
+def test_every_key_the_generate_and_eval_recipes_read_is_declared(recipe):
+    patterns, schema = OTHER_READERS[recipe]
+    read = {key for pattern in patterns for path in sorted(ROOT.glob(pattern)) for key in _keys_read(path)}
+    assert {"device", "dtype", "adapter_dir"} <= read  # the scan finds what it looks for
+    assert sorted(read - {key.name for key in schema}) == []
+
+
+def _config(path: Path, *overrides: str, drop=()):
+    cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+    for key in drop:
+        cfg.pop(key)
+    return cfg
+
+
+def test_absent_sampling_keys_read_as_the_schemas_defaults():
+    settings = GenerationRecipe(_config(GENERATION, drop=SAMPLING_KEYS)).settings
+    expected = SamplingSettings(max_new_tokens=128, temperature=0.0, top_k=None, top_p=None, seed=None, stop=())
+    assert settings == SamplingSettings() == expected
+    defaults = {key.name: key.default for key in GENERATION_SCHEMA}
+    assert {key: getattr(settings, key) for key in SAMPLING_KEYS} == {key: defaults[key] for key in SAMPLING_KEYS}
+
+
+@pytest.mark.parametrize("override", ["max_new_tokens=0", "temperature=-1", "top_k=0", "top_p=1.5", "max_seq_len=0"])
+def test_the_generate_recipe_and_sampling_settings_refuse_a_value_alike(override):
+    key = override.split("=")[0]
+    cfg = _config(GENERATION, override)
+    with pytest.raises(ConfigError) as read:
+        GenerationRecipe(cfg)
+    assert str(read.value).startswith(f"{override} must be")
+    if key in SAMPLING_KEYS:
+        with pytest.raises(ConfigError) as built:
+            SamplingSettings(**{key: cfg[key]})
+        assert str(built.value) == str(read.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, drop, message",
+    [
+        (["batch_size=0"], (), "batch_size=0 must be a positive integer"),
+        (["max_seq_len=null"], (), "max_seq_len=None must be a positive integer"),
+        ([], ("batch_size",), "batch_size is missing: the recipe needs it"),
+        (["tasks=[]"], (), "tasks is empty"),
+    ],
+)
+def test_the_eval_recipe_refuses_what_its_schema_refuses(overrides, drop, message):
+    cfg = _config(EVAL, "tasks=[x]", *overrides, drop=drop)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        EleutherEvalRecipe(cfg)
 
 
 def test_defaults_agree_with_the_readers_constants():
