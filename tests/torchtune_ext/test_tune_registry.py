@@ -2,7 +2,11 @@
 and every command is quiet: none of the start-up warnings nobody can act on (torchao's failed ``.so`` loads, torch's
 ``KernelPreference`` deprecation, torchdata's ``'set_vital' is deprecated``) reaches the output.
 
-Real processes with the inherited environment (CI's wheel install runs these as installed: ``-m stack``).
+What ``tune ls`` and ``tune cp`` print and copy is checked with torchtune's CLI entry point in this process, as its
+console script runs it (``conftest.run_main``). Quiet is a property of a fresh process: launched, with the inherited
+environment (CI's wheel install runs these as installed: ``-m stack``), are ``tune run`` by name (the ``tune``
+console script's start-up, the one ``tune ls`` and ``tune cp`` have, then a recipe run) and the same imports with the
+hook (after ``tune-ext ls``, its console script's start-up) and without it.
 """
 
 import logging
@@ -15,6 +19,7 @@ from typing import List
 
 import pytest
 import torch
+from conftest import run_main
 
 from torchtune_ext import _compat
 from torchtune_ext._shipped import DISTRIBUTED_RECIPE, SINGLE_DEVICE_RECIPE, config_files, recipe_files, recipe_of
@@ -29,6 +34,17 @@ pytestmark = pytest.mark.stack
 def _run(args: List[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture
+def tune(monkeypatch, capfd):
+    """``tune(*args, cwd=...)``: torchtune's ``tune <args>`` run in this process."""
+    from torchtune._cli.tune import main
+
+    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+        return run_main(main, ["tune", *args], monkeypatch, capfd, cwd=cwd)
+
+    return run
 
 
 def _assert_quiet(result: subprocess.CompletedProcess) -> None:
@@ -71,8 +87,8 @@ def test_tune_run_resolves_a_shared_config_name_to_ours():
     assert theirs.file_path == f"{name}.yaml"  # torchtune's own recipe keeps its own config
 
 
-def test_tune_ls_lists_ours_quietly(tmp_path):
-    result = _run([str(BIN / "tune"), "ls"], tmp_path)
+def test_tune_ls_lists_ours(tune, tmp_path):
+    result = tune("ls", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines()]
     recipe = None
@@ -85,21 +101,21 @@ def test_tune_ls_lists_ours_quietly(tmp_path):
         if recipe_of(name) not in TORCHTUNE_NAMES:
             assert recipe_of(name) in listed[name], name
     assert "lora_finetune_single_device" in result.stdout  # torchtune's own are still there
-    _assert_quiet(result)
-    _assert_quiet(_run([str(BIN / "tune-ext"), "ls"], tmp_path))
 
 
-def test_tune_cp_copies_our_recipe_and_config(tmp_path):
-    recipe = _run([str(BIN / "tune"), "cp", SINGLE_DEVICE_RECIPE, "my_recipe.py"], tmp_path)
+def test_tune_cp_copies_our_recipe_and_config(tune, tmp_path):
+    recipe = tune("cp", SINGLE_DEVICE_RECIPE, "my_recipe.py", cwd=tmp_path)
     assert recipe.returncode == 0, recipe.stderr[-3000:]
     assert (tmp_path / "my_recipe.py").read_text() == recipe_files()[SINGLE_DEVICE_RECIPE].read_text()
-    config = _run([str(BIN / "tune"), "cp", "tiny/qlora_single_device", "my_config.yaml"], tmp_path)
+    config = tune("cp", "tiny/qlora_single_device", "my_config.yaml", cwd=tmp_path)
     assert config.returncode == 0, config.stderr[-3000:]
     assert (tmp_path / "my_config.yaml").read_text() == config_files()["tiny/qlora_single_device"].read_text()
 
 
 @pytest.mark.integration_test
 def test_tune_run_by_name_from_anywhere_is_quiet(tmp_path):
+    """Quiet from the ``tune`` console script's start-up (``tune ls`` and ``tune cp`` start the same) to the end of a
+    recipe run."""
     result = _run(
         [
             str(BIN / "tune"),
@@ -124,12 +140,15 @@ def test_tune_run_by_name_from_anywhere_is_quiet(tmp_path):
 def test_the_filters_remove_the_warnings_that_appear_without_them(tmp_path):
     """The same imports and data loader with the hook (quiet) and without it: whatever the unhooked process prints
     of the three warnings (all three where torchao's prebuilt kernels do not load, as on this CPU build), the hooked
-    one does not."""
+    one does not. The hooked one starts as the ``tune-ext`` console script does: ``tune-ext ls`` first."""
     script = (
         "import sys\n"
         "if sys.argv[1] == 'off':\n"
         "    sys.meta_path[:] = [f for f in sys.meta_path\n"
         "                        if type(f).__name__ not in ('_StartupFinder', '_CompatFinder')]\n"
+        "else:\n"
+        "    from torchtune_ext.cli import main\n"
+        "    main(['ls'])\n"
         "import torchao, torchao.quantization\n"
         "from torchdata.stateful_dataloader import StatefulDataLoader\n"
         "StatefulDataLoader([1, 2])\n"
@@ -139,6 +158,7 @@ def test_the_filters_remove_the_warnings_that_appear_without_them(tmp_path):
     assert off.returncode == 0 and on.returncode == 0, off.stderr[-3000:] + on.stderr[-3000:]
     if torch.__version__ >= "2.13":  # from 2.13 torch warns on every StatefulDataLoader (2.11 does not)
         assert "set_vital" in off.stderr
+    assert "tiny/qlora_single_device" in on.stdout  # tune-ext ls listed
     _assert_quiet(on)
 
 
