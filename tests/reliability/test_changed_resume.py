@@ -1,5 +1,10 @@
-"""A resume is the same run, or it is refused (issue 24 items 2 and 3, issue 23 item 7), with real recipe processes
-and real files.
+"""A resume is the same run, or it is refused (issue 24 items 2 and 3, issue 23 item 7), with real recipe runs and
+real files.
+
+The runs call the single-device recipe's entry point in this process, as ``tune run`` calls it (``conftest.run_main``:
+its exit code and what it prints; its log lines through ``caplog``): what is checked is the refusal, its lines and
+code, and what the resumed run computes, not the process (a resume in a fresh process: ``test_interrupt_resume.py``,
+``test_kill_resume.py``).
 
 One single-device run is stopped after step 2 (a resumable state after steps 1 and 2: ``recipe_state.pt`` and
 ``recipe_state.prev.pt``); each test resumes a copy of its output folder:
@@ -20,11 +25,12 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import pytest
 import torch
-from reliability_utils import HERE, REPO, SINGLE_CONFIG, SINGLE_RECIPE, TUNE, Run, env, logged, small_run, snapshot
+from conftest import load_recipe, run_main, run_recipe_in_process
+from reliability_utils import REPO, SINGLE_CONFIG, SINGLE_RECIPE, logged, small_run, snapshot
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE
@@ -41,16 +47,28 @@ def _args(out: Path, base: Path, *extra: str) -> List[str]:
     return small_run(out, base, STEPS, out / "logs") + ["batch_size=16", f"optimizer.lr={LR}", *extra]
 
 
-def _start(args: List[str], log: Path) -> Tuple[int, str]:
-    """Runs the single-device recipe on this checkout's code; returns its exit code and output."""
-    run_env = {**env(), "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)])}
-    run = Run([str(TUNE), "run", SINGLE_RECIPE, "--config", str(SINGLE_CONFIG), *args], run_env, log)
-    return run.wait(), run.output
+def _check(args: List[str]) -> None:
+    """Runs the single-device recipe to its end (a non-zero exit fails the caller)."""
+    run_recipe_in_process(REPO / SINGLE_RECIPE, ["--config", str(SINGLE_CONFIG), *args], cwd=REPO)
 
 
-def _check(args: List[str], log: Path) -> None:
-    rc, output = _start(args, log)
-    assert rc == 0, f"run failed (rc {rc}):\n{output[-6000:]}"
+@pytest.fixture(scope="module")
+def recipe_main() -> Callable[[], None]:
+    return load_recipe(REPO / SINGLE_RECIPE).recipe_main
+
+
+@pytest.fixture
+def start(recipe_main, monkeypatch, capfd, caplog) -> Callable[[List[str]], Tuple[int, str]]:
+    """``start(args)``: the single-device recipe's entry point with ``args``, in this process; its exit code and
+    everything it printed and logged."""
+
+    def run(args: List[str]) -> Tuple[int, str]:
+        caplog.clear()
+        argv = [SINGLE_RECIPE, "--config", str(SINGLE_CONFIG), *args]
+        result = run_main(recipe_main, argv, monkeypatch, capfd, cwd=REPO)
+        return result.returncode, result.stdout + result.stderr + caplog.text
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +81,8 @@ def runs(tmp_path_factory) -> Dict[str, Path]:
         "qwen_base": write_tiny_checkpoint(tmp / "qwen_base", family="qwen", dtype="fp32", seed=0),
     }
     stopped, straight = tmp / "stopped", tmp / "straight"
-    _check(_args(stopped, bases["base"], f"stop_after_step={STOP}", "save_every_n_steps=1"), tmp / "stopped.log")
-    _check(_args(straight, bases["base"]), tmp / "straight.log")
+    _check(_args(stopped, bases["base"], f"stop_after_step={STOP}", "save_every_n_steps=1"))
+    _check(_args(straight, bases["base"]))
     return {**bases, "stopped": stopped, "straight": straight}
 
 
@@ -101,10 +119,10 @@ CHANGES = [
 
 
 @pytest.mark.parametrize("overrides, expected", CHANGES)
-def test_a_changed_run_is_refused_before_any_weight_loads(runs, tmp_path, overrides, expected):
+def test_a_changed_run_is_refused_before_any_weight_loads(start, runs, tmp_path, overrides, expected):
     out, args = _resume(runs, tmp_path, *[o.format(**{k: str(v) for k, v in runs.items()}) for o in overrides])
     before = snapshot(out)
-    rc, output = _start(args, tmp_path / "resume.log")
+    rc, output = start(args)
     assert rc != 0
     assert "it differs in what defines the run" in output, output[-4000:]
     for line in expected:
@@ -113,10 +131,12 @@ def test_a_changed_run_is_refused_before_any_weight_loads(runs, tmp_path, overri
     assert snapshot(out) == before  # nothing written
 
 
-def test_a_changed_lr_is_allowed_listed_and_used(runs, tmp_path):
+def test_a_changed_lr_is_allowed_listed_and_used(start, runs, tmp_path):
     out, args = _resume(runs, tmp_path, f"optimizer.lr={NEW_LR}")
-    rc, output = _start(args, tmp_path / "resume.log")
+    rc, output = start(args)
     assert rc == 0, output[-4000:]
+    for said in ("into NF4", "Loaded ", "Writing logs to", "Disk: "):  # what the refusals' checks look for
+        assert said in output, said
     assert "Resuming with changed settings (allowed):" in output
     assert f"\n  optimizer.lr: {LR} -> {NEW_LR}\n" in output
     # The schedule continues at its step with the new peak lr (reference: torchtune's schedule on its own).
@@ -134,7 +154,7 @@ def test_a_changed_lr_is_allowed_listed_and_used(runs, tmp_path):
     assert abs(logged(out / "logs")[3] - logged(runs["straight"] / "logs")[3]) < TOLERANCE
 
 
-def test_a_recipe_state_carrying_code_is_refused_and_the_code_never_runs(runs, tmp_path):
+def test_a_recipe_state_carrying_code_is_refused_and_the_code_never_runs(start, runs, tmp_path):
     out, args = _resume(runs, tmp_path)
     marker = tmp_path / "the_payload_ran"
 
@@ -144,19 +164,19 @@ def test_a_recipe_state_carrying_code_is_refused_and_the_code_never_runs(runs, t
 
     state = torch.load(out / "recipe_state" / "recipe_state.pt", weights_only=True)
     torch.save({**state, "payload": Payload()}, out / "recipe_state" / "recipe_state.pt")
-    rc, output = _start(args, tmp_path / "resume.log")
+    rc, output = start(args)
     assert rc == CONFIG_ERROR_EXIT_CODE and "Traceback" not in output, output[-4000:]  # one line, as config errors
     assert "holds Python objects, not only tensors and plain data (it references posix.system)" in output
     assert "nothing in it ran" in output
     assert not marker.exists()
 
 
-def test_a_truncated_newest_state_falls_back_to_the_previous_one(runs, tmp_path):
+def test_a_truncated_newest_state_falls_back_to_the_previous_one(start, runs, tmp_path):
     out, args = _resume(runs, tmp_path)
     newest = out / "recipe_state" / "recipe_state.pt"
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2])
-    rc, output = _start(args, tmp_path / "resume.log")
+    rc, output = start(args)
     assert rc == 0, output[-4000:]
     assert "is not a readable recipe state" in output
     assert f"Resuming from the previous recipe state instead: {out / 'recipe_state' / 'recipe_state.prev.pt'}" in output
@@ -166,10 +186,10 @@ def test_a_truncated_newest_state_falls_back_to_the_previous_one(runs, tmp_path)
     assert max(abs(resumed[s] - straight[s]) for s in straight) < TOLERANCE, (resumed, straight)
 
 
-def test_resuming_a_finished_run_says_so(runs, tmp_path):
+def test_resuming_a_finished_run_says_so(start, runs, tmp_path):
     out, args = _resume(runs, tmp_path, source="straight")
     before = snapshot(out)
-    rc, output = _start(args, tmp_path / "resume.log")
+    rc, output = start(args)
     assert rc == 0, output[-4000:]
     assert snapshot(out) == before, "a finished run's resume writes nothing"
     assert f"This run had already finished: step {STEPS}, epoch 1 of 1; nothing is left to train." in output
@@ -187,18 +207,18 @@ def tokenizer_run(runs, tmp_path_factory) -> Dict[str, Path]:
     shutil.copy(TINY_TOKENIZER_PATH, tokenizer)
     stopped = tmp / "stopped"
     args = _args(stopped, runs["base"], f"stop_after_step={STOP}", f"tokenizer.path={tokenizer}")
-    _check(args, tmp / "stopped.log")
+    _check(args)
     return {"stopped": stopped, "tokenizer": tokenizer}
 
 
-def test_the_same_tokenizer_in_another_folder_resumes(runs, tokenizer_run, tmp_path):
+def test_the_same_tokenizer_in_another_folder_resumes(start, runs, tokenizer_run, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(tokenizer_run["stopped"], out)
     moved = tmp_path / "moved" / "tokenizer.model"
     moved.parent.mkdir()
     shutil.copy(tokenizer_run["tokenizer"], moved)
     args = _args(out, runs["base"], "resume_from_checkpoint=True", f"tokenizer.path={moved}")
-    rc, output = _start(args, tmp_path / "resume.log")
+    rc, output = start(args)
     assert rc == 0, output[-4000:]
     assert f"tokenizer.path: {tokenizer_run['tokenizer']} -> {moved}" in output  # listed as an allowed change
     resumed, straight = logged(out / "logs"), logged(runs["straight"] / "logs")  # straight: the shipped file
@@ -206,11 +226,11 @@ def test_the_same_tokenizer_in_another_folder_resumes(runs, tokenizer_run, tmp_p
     assert max(abs(resumed[s] - straight[s]) for s in straight) < TOLERANCE, (resumed, straight)
 
 
-def test_a_stop_after_step_the_run_has_reached_is_refused_before_the_base_loads(runs, tmp_path):
+def test_a_stop_after_step_the_run_has_reached_is_refused_before_the_base_loads(start, runs, tmp_path):
     """The stopped run's own command resumed as is would train one step and stop again: refused, naming the fix."""
     out, args = _resume(runs, tmp_path, f"stop_after_step={STOP}")
     before = snapshot(out)
-    rc, output = _start(args, tmp_path / "resume.log")
+    rc, output = start(args)
     assert rc == CONFIG_ERROR_EXIT_CODE and "Traceback" not in output, output[-4000:]
     assert f"stop_after_step={STOP}, but the run saved in " in output, output[-4000:]
     assert f"has reached step {STOP}: resume without stop_after_step to train to the end" in output
@@ -218,7 +238,7 @@ def test_a_stop_after_step_the_run_has_reached_is_refused_before_the_base_loads(
     assert snapshot(out) == before  # nothing written
 
 
-def test_another_tokenizer_at_the_same_path_is_refused_before_the_base_loads(runs, tokenizer_run, tmp_path):
+def test_another_tokenizer_at_the_same_path_is_refused_before_the_base_loads(start, runs, tokenizer_run, tmp_path):
     from sentencepiece import sentencepiece_model_pb2
 
     out = tmp_path / "out"
@@ -231,8 +251,7 @@ def test_another_tokenizer_at_the_same_path_is_refused_before_the_base_loads(run
     before = snapshot(out)
     try:
         tokenizer.write_bytes(model.SerializeToString())  # rewritten in place
-        rc, output = _start(_args(out, runs["base"], "resume_from_checkpoint=True", f"tokenizer.path={tokenizer}"),
-                            tmp_path / "resume.log")  # fmt: skip
+        rc, output = start(_args(out, runs["base"], "resume_from_checkpoint=True", f"tokenizer.path={tokenizer}"))
     finally:
         tokenizer.write_bytes(original)
     assert rc == CONFIG_ERROR_EXIT_CODE and "Traceback" not in output, output[-4000:]
