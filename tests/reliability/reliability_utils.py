@@ -1,6 +1,8 @@
 """Shared helpers of the reliability tests: start recipes as real processes, pause and SIGKILL them, find leftover
-processes, read the per-step logs and the checkpoints a run left behind."""
+processes; call a recipe's entry point in this process; read the per-step logs and the checkpoints a run left
+behind."""
 
+import functools
 import os
 import re
 import signal
@@ -8,10 +10,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import psutil
 import torch
+from conftest import load_recipe, run_main
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -173,6 +176,21 @@ def tune(recipe: str, config: Path, overrides: Sequence[str], log: Path, nproc: 
     the launcher picks a free port)."""
     launcher = ["--standalone", "--nproc_per_node", str(nproc)] if nproc else []
     return Run([str(TUNE), "run", *launcher, recipe, "--config", str(config), *overrides], env(**env_kwargs), log)
+
+
+@functools.cache
+def _single_recipe_main() -> Callable[[], Any]:
+    return load_recipe(REPO / SINGLE_RECIPE).recipe_main
+
+
+def call_recipe(args: Sequence[str], monkeypatch: Any, capfd: Any, caplog: Any) -> Tuple[int, str]:
+    """The single-device recipe's entry point on the tiny config with ``args``, in this process, as ``tune run``
+    calls it (``conftest.run_main``); returns its exit code and everything it printed and logged (``caplog``: a
+    logger's handler may hold an earlier stream than ``capfd``'s)."""
+    caplog.clear()
+    argv = [SINGLE_RECIPE, "--config", str(SINGLE_CONFIG), *args]
+    result = run_main(_single_recipe_main(), argv, monkeypatch, capfd, cwd=REPO)
+    return result.returncode, result.stdout + result.stderr + caplog.text
 
 
 def check_ok(run: Run) -> None:

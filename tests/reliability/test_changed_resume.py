@@ -21,6 +21,7 @@ One single-device run is stopped after step 2 (a resumable state after steps 1 a
   tokenizer at the same path is refused before the base loads, naming the file and the fix.
 """
 
+import functools
 import math
 import os
 import shutil
@@ -29,8 +30,8 @@ from typing import Callable, Dict, List, Tuple
 
 import pytest
 import torch
-from conftest import load_recipe, run_main, run_recipe_in_process
-from reliability_utils import REPO, SINGLE_CONFIG, SINGLE_RECIPE, logged, small_run, snapshot
+from conftest import run_recipe_in_process
+from reliability_utils import REPO, SINGLE_CONFIG, SINGLE_RECIPE, call_recipe, logged, small_run, snapshot
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 from torchtune_ext.config import CONFIG_ERROR_EXIT_CODE
@@ -52,23 +53,11 @@ def _check(args: List[str]) -> None:
     run_recipe_in_process(REPO / SINGLE_RECIPE, ["--config", str(SINGLE_CONFIG), *args], cwd=REPO)
 
 
-@pytest.fixture(scope="module")
-def recipe_main() -> Callable[[], None]:
-    return load_recipe(REPO / SINGLE_RECIPE).recipe_main
-
-
 @pytest.fixture
-def start(recipe_main, monkeypatch, capfd, caplog) -> Callable[[List[str]], Tuple[int, str]]:
+def start(monkeypatch, capfd, caplog) -> Callable[[List[str]], Tuple[int, str]]:
     """``start(args)``: the single-device recipe's entry point with ``args``, in this process; its exit code and
     everything it printed and logged."""
-
-    def run(args: List[str]) -> Tuple[int, str]:
-        caplog.clear()
-        argv = [SINGLE_RECIPE, "--config", str(SINGLE_CONFIG), *args]
-        result = run_main(recipe_main, argv, monkeypatch, capfd, cwd=REPO)
-        return result.returncode, result.stdout + result.stderr + caplog.text
-
-    return run
+    return functools.partial(call_recipe, monkeypatch=monkeypatch, capfd=capfd, caplog=caplog)
 
 
 @pytest.fixture(scope="module")
