@@ -4,10 +4,11 @@ left byte for byte as it was).
 
 Most cases call the single-device recipe's constructor and ``setup`` in-process (fast, and the exception text is
 exact). The printed lines and the exit code come from the recipes' entry points (``recipe_main``), also called
-in-process, as ``tune run`` calls them (``conftest.run_main``). Real processes (the slow lane: ``integration_test``)
-only where the process is the point: one config error through ``tune run`` (its exit code 2 and lines), the
-distributed recipe under torchrun (more ranks than samples; kept vocab ids out of range, which only the distributed
-recipe takes; a config error on 2 ranks printed once). The state-dict tooling's argument errors are library calls.
+in-process, as ``tune run`` calls them (``conftest.run_main``), the distributed recipe's as a launcher starts its one
+worker. Real processes (the slow lane: ``integration_test``) only where the process is the point: one config error
+through ``tune run`` (its exit code 2 and lines), the distributed recipe under torchrun on 2 ranks (more ranks than
+samples: an error every rank finds after the process group started; a config error printed once; a value rank 0's
+component refuses, which the others get). The state-dict tooling's argument errors are library calls.
 """
 
 import functools
@@ -359,59 +360,68 @@ def test_output_folder_not_writable_fails_with_exit_code(recipe_module, inputs, 
     assert inputs["a_file"].read_text() == "not a folder"
 
 
-@pytest.mark.integration_test
-@pytest.mark.distributed
-@pytest.mark.parametrize(
-    "nproc, overrides, message",
-    [
-        pytest.param(
-            2,
-            ["dataset.num_samples=1", "batch_size=1"],
-            "the training set has 1 samples, fewer than one batch per rank (2 ranks x batch_size 1 = 2)",
-            id="nproc_per_node_larger_than_the_data",
-        ),
-        pytest.param(
-            1,
-            ["vocab_pruning.enabled=True", "vocab_pruning.kept_ids={kept_out_of_range}"],
-            f"kept_ids has 1 id(s) outside the vocabulary [0, {VOCAB_SIZE}): [{VOCAB_SIZE + 7}]",
-            id="vocab_pruning_ids_out_of_range",
-        ),
-        pytest.param(
-            2, ["tokenizer.max_seq_len=4"], "Raise tokenizer.max_seq_len", id="max_seq_len_smaller_than_a_prompt"
-        ),
-        pytest.param(
-            2,
-            ["resume_from_checkpoint=True", "model.lora_rank=8"],
-            "model.lora_rank: 16 -> 8",
-            id="resume_with_another_lora_rank",
-        ),
-    ],
-)
-def test_distributed_bad_input_fails_with_exit_code(inputs, tmp_path, nproc, overrides, message):
-    out = tmp_path / "out"
-    if "resume_from_checkpoint=True" in overrides:  # the single-device run's state: the recipes share its format
+#: bad input through the distributed entry point: overrides ({name}: a path from `inputs`), the text the output must
+#: hold; the output folder is fresh (must not be created), or a copy of the single-device run's (the recipes share
+#: its format) where a case resumes.
+DISTRIBUTED_CASES = [
+    pytest.param(
+        ["vocab_pruning.enabled=True", "vocab_pruning.kept_ids={kept_out_of_range}"],
+        f"kept_ids has 1 id(s) outside the vocabulary [0, {VOCAB_SIZE}): [{VOCAB_SIZE + 7}]",
+        id="vocab_pruning_ids_out_of_range",
+    ),
+    pytest.param(["tokenizer.max_seq_len=4"], "Raise tokenizer.max_seq_len", id="max_seq_len_smaller_than_a_prompt"),
+    pytest.param(
+        ["resume_from_checkpoint=True", "model.lora_rank=8"],
+        "model.lora_rank: 16 -> 8",
+        id="resume_with_another_lora_rank",
+    ),
+]
+
+
+def _distributed_overrides(inputs: Dict[str, Path], out: Path, overrides: List[str]) -> List[str]:
+    """The distributed tiny config's paths and ``overrides``; a resume starts from a copy of the trained run."""
+    if "resume_from_checkpoint=True" in overrides:
         shutil.copytree(inputs["trained"], out)
-    before = snapshot(out)
     values = {k: str(v) for k, v in inputs.items()}
-    run = tune(
-        DIST_RECIPE,
-        DIST_CONFIG,
-        [
-            f"output_dir={out}",
-            f"checkpointer.checkpoint_dir={inputs['base']}",
-            "process_group_timeout_s=30",
-            *[o.format(**values) for o in overrides],
-        ],
-        tmp_path / "run.log",
-        nproc=nproc,
+    return [
+        f"output_dir={out}",
+        f"checkpointer.checkpoint_dir={inputs['base']}",
+        "process_group_timeout_s=30",
+        *[o.format(**values) for o in overrides],
+    ]
+
+
+@pytest.mark.parametrize("overrides, message", DISTRIBUTED_CASES)
+def test_distributed_bad_input_fails_before_writing(inputs, tmp_path, monkeypatch, capfd, caplog, overrides, message):
+    """The distributed entry point as a launcher starts its one worker (``--nproc_per_node 1``), in this process."""
+    out = tmp_path / "out"
+    argv = [DIST_RECIPE, "--config", str(DIST_CONFIG), *_distributed_overrides(inputs, out, overrides)]
+    before = snapshot(out)
+    launched = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    run = run_main(
+        _use_recipe("qlora_finetune_distributed").recipe_main, argv, monkeypatch, capfd, cwd=REPO, **launched
     )
-    rc = run.wait()
-    assert rc != 0
-    assert_no_leftovers([run])
-    assert message in run.output, run.output[-3000:]
+    output = run.stdout + run.stderr + caplog.text
+    assert run.returncode != 0
+    assert message in output, output[-3000:]
     assert snapshot(out) == before, f"written before the error: {sorted(set(snapshot(out)) - set(before))}"
     if not before:
         assert not out.exists()
+
+
+@pytest.mark.integration_test
+@pytest.mark.distributed
+def test_more_ranks_than_samples_fails_with_exit_code(inputs, tmp_path):
+    """An error every rank finds after the process group started (2 ranks): all stop, none is left."""
+    out = tmp_path / "out"
+    overrides = _distributed_overrides(inputs, out, ["dataset.num_samples=1", "batch_size=1"])
+    run = tune(DIST_RECIPE, DIST_CONFIG, overrides, tmp_path / "run.log", nproc=2)
+    rc = run.wait()
+    assert rc != 0
+    assert_no_leftovers([run])
+    message = "the training set has 1 samples, fewer than one batch per rank (2 ranks x batch_size 1 = 2)"
+    assert message in run.output, run.output[-3000:]
+    assert not out.exists()
 
 
 # config and input errors print one line each, exit 2, no traceback (TORCHTUNE_EXT_TRACEBACK=1: one)
