@@ -5,6 +5,10 @@ run printed, run as printed.
 - 2 gloo ranks: SIGINT to the whole process group (a terminal's Ctrl-C: the launcher and both workers get it, and
   the launcher forwards it to the workers once more), and SIGTERM to one worker only (rank 0 or 1, drawn).
 
+The uninterrupted single-device run the others are compared with, and the runs aborted by a second signal the recipe
+sends itself, call the recipe's entry point in this process (as ``tune run`` calls it); every signal from outside
+goes to a launched process, and every resume is the printed command, run as printed.
+
 Each interrupted run: exits with 128 + signal (the recipe process; under torchrun the launcher too, without a
 traceback of its own), saved a resumable checkpoint of the step it stopped at (adapter and recipe state, no merged
 model mid-epoch), and printed that step and the resume command. The resumed run's losses continue the interrupted
@@ -24,6 +28,7 @@ from typing import Dict, List, Sequence
 
 import psutil
 import pytest
+from conftest import run_recipe_in_process
 from omegaconf import OmegaConf
 from reliability_utils import (
     DIST_CONFIG,
@@ -37,6 +42,7 @@ from reliability_utils import (
     Run,
     adapter,
     assert_no_leftovers,
+    call_recipe,
     check_ok,
     env,
     max_abs_diff,
@@ -104,9 +110,15 @@ def _losses(out: Path) -> Dict[int, float]:
 
 
 def _uninterrupted(root: Path, base: Path, nproc: int) -> Path:
-    """An uninterrupted run that saves and keeps every step's adapter (saving changes nothing in the training)."""
+    """An uninterrupted run that saves and keeps every step's adapter (saving changes nothing in the training); on
+    one device in this process."""
     out = root / "uninterrupted"
-    check_ok(_start(out, base, nproc, ["save_every_n_steps=1", "keep_last_n_checkpoints=null"]))
+    keep_every_step = ["save_every_n_steps=1", "keep_last_n_checkpoints=null"]
+    if nproc:
+        check_ok(_start(out, base, nproc, keep_every_step))
+    else:
+        args = ["--config", str(SINGLE_CONFIG), *_overrides(out, base, 0), *keep_every_step]
+        run_recipe_in_process(REPO / SINGLE_RECIPE, args, cwd=REPO)
     assert sorted(_losses(out)) == list(range(1, STEPS + 1))
     return out
 
@@ -237,21 +249,20 @@ def test_interrupt_in_the_last_step_of_an_epoch(tmp_path, base, reference_single
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_second_signal_aborts_with_one_line(tmp_path, base, sig):
+def test_a_second_signal_aborts_with_one_line(tmp_path, base, monkeypatch, capfd, caplog, sig):
     """The signal twice within one step (the fault-injecting loss sends it in both micro-batches of step 2): the run
     aborts with 128 + signal and one line, no traceback, and leaves no checkpoint and no temporary file."""
     out = tmp_path / "aborted"
     fault = ["gradient_accumulation_steps=2", "loss.fault=signal", "loss.steps=[3,4]", f"loss.signum={int(sig)}"]
-    run = _start(out, base, 0, fault)
-    rc = run.wait()
-    output = run.output
+    children = psutil.Process().children(recursive=True)
+    rc, output = call_recipe([*_overrides(out, base, 0), *fault], monkeypatch, capfd, caplog)
     assert rc == 128 + sig, f"rc {rc}:\n{output[-4000:]}"
     assert f"{signal.Signals(sig).name} received again: aborting now, without saving." in output
     for noise in ("Traceback", "KeyboardInterrupt", "Interrupted by"):
         assert noise not in output, output[-4000:]
     written = [p.name for p in out.iterdir() if p.name.startswith(("step_", "recipe_state", ".step_"))]
     assert not written, "nothing saved, nothing half-written"
-    assert_no_leftovers([run])
+    assert psutil.Process().children(recursive=True) == children, "a process of the run is left"
 
 
 def test_ctrl_c_while_setting_up_a_background_job_stops_it(tmp_path, base):
