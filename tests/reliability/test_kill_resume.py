@@ -17,16 +17,20 @@ checkpoint interval of steps is lost; every visible ``step_N`` folder is complet
 run's; a partially written file exists only under a hidden temporary name. The losses the killed run logged, those
 of every resumed run, and the final adapter and merged model equal the uninterrupted run's (fp32, 1e-5).
 Checkpoint writes are paused by ``inject/sitecustomize.py``; mid-training pauses come from the fault-injecting loss
-(``reliability_faults.py``). The test prints the figures (kills survived, completed steps redone per kill).
+(``reliability_faults.py``). The uninterrupted single-device run calls the recipe in this process (as ``tune run``
+calls it); every killed and resumed run is a launched process. The test prints the figures (kills survived,
+completed steps redone per kill).
 """
 
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
+from conftest import run_recipe_in_process
 from reliability_utils import (
     DIST_CONFIG,
     DIST_RECIPE,
+    REPO,
     SINGLE_CONFIG,
     SINGLE_RECIPE,
     adapter,
@@ -100,16 +104,26 @@ def base(tmp_path_factory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("base"), family="llama", dtype="fp32", seed=0)
 
 
+def _overrides(out: Path, base: Path, steps: int, run_name: str, nproc: int) -> List[str]:
+    batch = ["batch_size=4"] if nproc == 0 else ["batch_size=2", "process_group_timeout_s=60"]
+    return small_run(out, base, steps, out / "logs" / run_name) + batch + [f"save_every_n_steps={SAVE_EVERY}"]
+
+
 def _start(recipe: str, out: Path, base: Path, steps: int, run_name: str, extra: List[str], nproc: int, **pause):
     config = SINGLE_CONFIG if recipe == SINGLE_RECIPE else DIST_CONFIG
-    batch = ["batch_size=4"] if nproc == 0 else ["batch_size=2", "process_group_timeout_s=60"]
-    overrides = small_run(out, base, steps, out / "logs" / run_name) + batch + [f"save_every_n_steps={SAVE_EVERY}"]
-    return tune(recipe, config, overrides + extra, out.parent / f"{out.name}_{run_name}.log", nproc=nproc, **pause)
+    overrides = _overrides(out, base, steps, run_name, nproc) + extra
+    return tune(recipe, config, overrides, out.parent / f"{out.name}_{run_name}.log", nproc=nproc, **pause)
 
 
 def _uninterrupted(recipe: str, out: Path, base: Path, steps: int, nproc: int) -> Dict[int, float]:
+    """The uninterrupted reference run, its losses by step (on one device: in this process)."""
     # Every step folder kept, to compare with whichever the killed runs keep (their default: the newest 2).
-    check_ok(_start(recipe, out, base, steps, "run0", ["keep_last_n_checkpoints=null"], nproc))
+    keep_all = ["keep_last_n_checkpoints=null"]
+    if nproc:
+        check_ok(_start(recipe, out, base, steps, "run0", keep_all, nproc))
+    else:
+        args = ["--config", str(SINGLE_CONFIG), *_overrides(out, base, steps, "run0", nproc), *keep_all]
+        run_recipe_in_process(REPO / recipe, args, cwd=REPO)
     losses = logged(out / "logs" / "run0")
     assert sorted(losses) == list(range(1, steps + 1))
     return losses
