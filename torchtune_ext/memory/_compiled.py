@@ -38,7 +38,7 @@ from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from torchtune_ext.memory._fake import _TABLE_CACHES, _nf4_code_modules
-from torchtune_ext.memory._steps import Setup
+from torchtune_ext.memory._steps import Setup, captured_tensors, with_captured_tensors
 from torchtune_ext.memory._tracker import LiveStorageTracker, uncounted
 from torchtune_ext.modules import FrozenNF4Linear, LoRALinear
 from torchtune_ext.nf4 import NF4Tensor
@@ -299,10 +299,24 @@ def _layer_forward(layer: nn.Module) -> Callable[..., Any]:
 
 
 def _block_mask_tensors(mask: BlockMask) -> Tuple[Tuple[Any, ...], Callable[..., BlockMask]]:
-    """A ``BlockMask``'s leaves as its pytree flattening gives them (its tensors and its ``mask_mod``'s captured
-    tensors: the inputs a trace takes) and how to make the mask again from such leaves."""
+    """A ``BlockMask``'s tensors and its ``mask_mod``'s captured tensors (the inputs a trace takes, as dynamo lifts
+    a closure's tensors into graph inputs) and how to make the mask again from such leaves. Torch's pytree
+    flattening gives both on torch 2.13; on 2.11 it keeps the captured tensors in its context, where a trace
+    would bake them into the graph as constants, so those are added here."""
     leaves, context = mask._flatten()
-    return tuple(leaves), functools.partial(BlockMask._unflatten, context=context)
+    captured = captured_tensors(mask.mask_mod)
+    if any(tensor is leaf for tensor in captured for leaf in leaves):
+        captured = ()
+    return (*leaves, *captured), functools.partial(_rebuild_block_mask, len(leaves), context)
+
+
+def _rebuild_block_mask(num_leaves: int, context: Any, tensors: Tuple[Any, ...]) -> BlockMask:
+    """The ``BlockMask`` of :func:`_block_mask_tensors`'s leaves ``tensors``: its ``mask_mod`` capturing the ones past
+    torch's own leaves, if any."""
+    mask = BlockMask._unflatten(tensors[:num_leaves], context=context)
+    if len(tensors) > num_leaves:
+        mask.mask_mod = with_captured_tensors(mask.mask_mod, tuple(tensors[num_leaves:]))
+    return mask
 
 
 class _CompiledForward:

@@ -165,23 +165,31 @@ def packed_batch(batch_size: int, seq_len: int, device: torch.device) -> Dict[st
     return {"input_pos": input_pos, "mask": create_block_mask(mask_mod, batch_size, None, seq_len, seq_len, device)}
 
 
+def captured_tensors(fn: Callable) -> Tuple[torch.Tensor, ...]:
+    """The tensors ``fn``'s closure captures (a ``mask_mod``'s document ids), in the closure's order."""
+    return tuple(cell.cell_contents for cell in fn.__closure__ or () if isinstance(cell.cell_contents, torch.Tensor))
+
+
+def with_captured_tensors(fn: Callable, tensors: Tuple[torch.Tensor, ...]) -> Callable:
+    """``fn`` with the tensors its closure captures replaced, in order, by ``tensors``
+    (:func:`captured_tensors`'s order)."""
+    replacements = iter(tensors)
+    closure = tuple(
+        types.CellType(next(replacements)) if isinstance(cell.cell_contents, torch.Tensor) else cell
+        for cell in fn.__closure__ or ()
+    )
+    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure or None)
+
+
 def _lift_captured_tensors(mask_mod: Callable) -> Tuple[Callable, Tuple[torch.Tensor, ...]]:
     """``mask_mod`` with the tensors its closure captures turned into trailing arguments, and those tensors: what
     dynamo does before it calls flex attention's op. Written here, not taken from torch's private helpers, which
     torch 2.10 and 2.11 (Kaggle, Colab) lack."""
-    cells = mask_mod.__closure__ or ()
-    captured = tuple(cell.cell_contents for cell in cells if isinstance(cell.cell_contents, torch.Tensor))
 
     def lifted(b, h, q_idx, kv_idx, *tensors):
-        replacements = iter(tensors)
-        closure = tuple(
-            types.CellType(next(replacements)) if isinstance(cell.cell_contents, torch.Tensor) else cell
-            for cell in cells
-        )
-        fn = types.FunctionType(mask_mod.__code__, mask_mod.__globals__, mask_mod.__name__, None, closure or None)
-        return fn(b, h, q_idx, kv_idx)
+        return with_captured_tensors(mask_mod, tensors)(b, h, q_idx, kv_idx)
 
-    return lifted, captured
+    return lifted, captured_tensors(mask_mod)
 
 
 def flex_or_sdpa_attention(

@@ -1,7 +1,8 @@
 """The per-rank dry run on a host with GPUs (Kaggle's 2x T4): its meshes are built on the CPU, where its fake tensors
 and batches are, whatever accelerator the host has. CUDA is reported available in this process as FSDP2 asks for it
-(``torch._C._get_accelerator``, its default mesh's device, and ``torch.cuda.is_available``); the reference is the
-same dry run with no accelerator reported."""
+(``torch._C._get_accelerator``, its default mesh's device, and ``torch.cuda.is_available``), its current stream not
+capturing a graph, as an optimizer's step then asks on torch 2.11 (``torch.cuda.is_current_stream_capturing``, which
+on a CUDA build without a driver fails); the reference is the same dry run with no accelerator reported."""
 
 import torch
 from omegaconf import OmegaConf
@@ -35,6 +36,7 @@ def test_per_rank_dry_run_with_cuda_reported_available(monkeypatch):
     reference = _reports()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch._C, "_get_accelerator", lambda *args: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     ours = _reports()
     assert not torch.distributed.is_initialized()
     assert len(ours) == 3 and "all-gathered params (FSDP2)" in _peaks(ours)[1]
