@@ -1,4 +1,6 @@
-"""One run per output folder, with real recipe processes (single device):
+"""One run per output folder (single device): run A is a real process (it holds the folder while paused, then is
+SIGKILLed); runs B, C and D call the recipe's entry point in this process, as ``tune run`` calls it (their exit code,
+what they print and log, what they write); runs started together are real processes:
 
 1. run A starts (a checkpoint every step) and stalls in step 3;
 2. run B starts into the same folder: refused at start, naming A's pid and start time, writing nothing;
@@ -11,13 +13,14 @@
 import re
 import time
 from pathlib import Path
+from typing import List, Tuple
 
 import pytest
 from reliability_utils import (
     SINGLE_CONFIG,
     SINGLE_RECIPE,
     assert_no_leftovers,
-    check_ok,
+    call_recipe,
     kill,
     logged,
     small_run,
@@ -33,21 +36,27 @@ pytestmark = [pytest.mark.integration_test]
 STEPS = 4
 
 
+def _overrides(out: Path, base: Path, name: str, extra=()) -> List[str]:
+    return small_run(out, base, STEPS, out / "logs" / name) + ["batch_size=4", *extra]
+
+
 def _start(out: Path, base: Path, name: str, extra=()):
-    overrides = small_run(out, base, STEPS, out / "logs" / name) + ["batch_size=4", *extra]
-    return tune(SINGLE_RECIPE, SINGLE_CONFIG, overrides, out.parent / f"{name}.log")
+    return tune(SINGLE_RECIPE, SINGLE_CONFIG, _overrides(out, base, name, extra), out.parent / f"{name}.log")
 
 
-def _refused(run) -> str:
-    rc = run.wait()
-    assert rc != 0, f"a second run into a used output_dir started:\n{run.output[-3000:]}"
-    return run.output
-
-
-def test_one_run_per_output_dir(tmp_path):
+def test_one_run_per_output_dir(tmp_path, monkeypatch, capfd, caplog):
     base = write_tiny_checkpoint(tmp_path / "base", family="llama", dtype="fp32", seed=0)
     out = tmp_path / "out"
     marker = tmp_path / "paused"
+
+    def call(name: str, extra=()) -> Tuple[int, str]:
+        return call_recipe(_overrides(out, base, name, extra), monkeypatch, capfd, caplog)
+
+    def refused(name: str) -> str:
+        rc, output = call(name)
+        assert rc != 0, f"a second run into a used output_dir started:\n{output[-3000:]}"
+        return output
+
     stall = ["save_every_n_steps=1", "loss.fault=pause", "loss.steps=[3]", f"loss.marker={marker}"]
     started = time.time()
     first = _start(out, base, "A", stall)
@@ -56,7 +65,7 @@ def test_one_run_per_output_dir(tmp_path):
     assert pid == first.proc.pid
 
     before = snapshot(out)
-    output = _refused(_start(out, base, "B"))
+    output = refused("B")
     assert re.search(
         rf"output_dir='{re.escape(str(out))}' is in use by another run \(pid {pid} on .*, started ", output
     )
@@ -68,12 +77,13 @@ def test_one_run_per_output_dir(tmp_path):
     assert kill(first, pid) != 0
     assert_no_leftovers([first])
     before = snapshot(out)
-    output = _refused(_start(out, base, "C"))
+    output = refused("C")
     assert "holds another run's checkpoints (recipe_state/recipe_state.pt, step_1, step_2)" in output
     assert "resume_from_checkpoint=True" in output and "overwrite_output_dir=True" in output
     assert snapshot(out) == before, "the refused run wrote into the folder"
 
-    check_ok(_start(out, base, "D", ["resume_from_checkpoint=True"]))
+    rc, output = call("D", ["resume_from_checkpoint=True"])
+    assert rc == 0, output[-6000:]
     assert sorted(logged(out / "logs" / "D")) == [3, 4]
     assert (out / f"step_{STEPS}" / "adapter").is_dir()
 
