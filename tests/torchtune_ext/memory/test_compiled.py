@@ -32,13 +32,15 @@ from torchtune_ext.memory import (
     compile_for_estimate,
     compiled_setup,
     materialized_nodes,
+    packed_batch,
     to_fake_model,
     torchtune_qlora_model,
     torchtune_setup,
     torchtune_train_step,
 )
-from torchtune_ext.memory._compiled import _decompositions
+from torchtune_ext.memory._compiled import _block_mask_tensors, _decompositions
 from torchtune_ext.memory._fake import accelerator_code_path
+from torchtune_ext.memory._steps import captured_tensors
 from torchtune_ext.models import qlora_tiny_llama
 
 LORA = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)
@@ -241,3 +243,21 @@ def test_our_recipe_dry_run_with_compile_estimates_the_compiled_step():
     assert "compile=True: the decoder layers estimated as torch.compile runs them" in reports[True]
     assert "compile=True" not in reports[False]
     assert reports[True].splitlines()[1] != reports[False].splitlines()[1]  # the peak: the compiled step's own
+
+
+def test_a_block_masks_leaves_carry_its_mask_mods_document_ids():
+    """What a compiled layer's trace takes of a packed batch's ``BlockMask``: its leaves include the document ids
+    its ``mask_mod`` captures (a trace would otherwise bake them in as constants), and the mask rebuilt from leaves
+    with other document ids masks by those. Reference: the block-causal document mask by hand, two documents per
+    pack where the packed batch has one."""
+    seq = 256
+    mask = packed_batch(BATCH, seq, torch.device("cpu"))["mask"]
+    leaves, rebuild = _block_mask_tensors(mask)
+    (document_ids,) = captured_tensors(mask.mask_mod)
+    assert sum(leaf is document_ids for leaf in leaves) == 1
+    two_documents = (torch.arange(seq) >= 100).long().repeat(BATCH, 1)
+    rebuilt = rebuild(tuple(two_documents if leaf is document_ids else leaf for leaf in leaves))
+    q, kv = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    for b in range(BATCH):
+        expected = (q >= kv) & (two_documents[b, q] == two_documents[b, kv])
+        assert torch.equal(rebuilt.mask_mod(torch.tensor(b), 0, q, kv), expected)
