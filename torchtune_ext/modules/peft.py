@@ -11,7 +11,7 @@ tests for these layers run on ours: tests/torchtune_ext/upstream/).
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtune.modules.peft import AdapterModule
 
+from torchtune_ext.modules._cpu_gemm import linear, mm_t
 from torchtune_ext.modules.low_precision import _quantize_incoming_weight, linear_nf4
 from torchtune_ext.nf4 import check_float_dtype, check_nf4_shape, dequantize_nf4, quantize_nf4
 
@@ -35,6 +36,35 @@ def init_lora_weights_(lora_a: torch.Tensor, lora_b: torch.Tensor, generator: Op
     """
     nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5), generator=generator)
     nn.init.zeros_(lora_b)
+
+
+class _LoRAProduct(torch.autograd.Function):
+    """``scaling * (x @ A.T) @ B.T`` with its backward, every product through :func:`mm_t` (oneDNN for CPU fp32
+    batches): the values of ``scaling * F.linear(F.linear(x, A), B)`` (the same roundings, another summation order
+    on CPU), saving what autograd saves (``x`` and ``x @ A.T``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        hidden = mm_t(flat, lora_a)
+        ctx.save_for_backward(flat, hidden, lora_a, lora_b)
+        ctx.scaling = scaling
+        ctx.input_shape = x.shape
+        return mm_t(hidden, lora_b).mul_(scaling).view(*x.shape[:-1], lora_b.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        flat, hidden, lora_a, lora_b = ctx.saved_tensors
+        grad = grad.reshape(-1, lora_b.shape[0]) * ctx.scaling
+        grad_hidden = mm_t(grad, lora_b.t())
+        grad_x = grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = mm_t(grad_hidden, lora_a.t()).view(ctx.input_shape)
+        if ctx.needs_input_grad[1]:
+            grad_a = mm_t(grad_hidden.t(), flat.t())
+        if ctx.needs_input_grad[2]:
+            grad_b = mm_t(grad.t(), hidden.t())
+        return grad_x, grad_a, grad_b, None
 
 
 class LoRALinear(nn.Module, AdapterModule):
@@ -142,12 +172,22 @@ class LoRALinear(nn.Module, AdapterModule):
         if self._quantize_base:
             out = linear_nf4(x, self.weight, dtype)
         else:
-            out = F.linear(x.to(dtype), self.weight.to(dtype))
+            out = linear(x.to(dtype), self.weight.to(dtype))
         return out if self.bias is None else out + self.bias.to(dtype)
 
     def _lora_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``B A dropout(x)`` in ``dtype``, unscaled."""
         hidden = F.linear(self.dropout(x).to(dtype), self.lora_a.weight.to(dtype))
         return F.linear(hidden, self.lora_b.weight.to(dtype))
+
+    def _scaled_lora(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``scaling * B A dropout(x)`` in ``dtype``: under autograd through :class:`_LoRAProduct` (CPU fp32
+        products through oneDNN, one graph node instead of five)."""
+        lora_a, lora_b = self.lora_a.weight.to(dtype), self.lora_b.weight.to(dtype)
+        x = self.dropout(x).to(dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or lora_a.requires_grad or lora_b.requires_grad):
+            return _LoRAProduct.apply(x, lora_a, lora_b, self.scaling)
+        return self.scaling * F.linear(F.linear(x, lora_a), lora_b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """
@@ -161,7 +201,7 @@ class LoRALinear(nn.Module, AdapterModule):
         out = self._base_forward(x, dtype)
         if self.disabled:
             return out
-        return out + self.scaling * self._lora_forward(x, dtype)
+        return out + self._scaled_lora(x, dtype)
 
 
 class DoRALinear(LoRALinear):

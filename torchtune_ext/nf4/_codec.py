@@ -7,7 +7,7 @@ only the arithmetic is replaced:
   carries autograd history; free on the meta device; given the scale mean of a whole tensor (``scaler_mean``), a row
   shard quantizes to the same rows as the whole tensor (what FSDP2's all-gather of NF4 shards needs).
 - :func:`dequantize_nf4`: values identical to ``get_original_weight`` (same formula, same dtype at every step), through
-  one lookup table that decodes two packed bytes (four NF4 codes) at once.
+  one lookup table that decodes a packed byte (two NF4 codes) at once on CPU, two bytes (four codes) elsewhere.
 - :func:`nf4_from_inner`: an NF4Tensor from its inner tensors (gathered or quantized shards).
 """
 
@@ -30,9 +30,11 @@ NF4_SCALER_BLOCK_SIZE = 256
 NF4_SHARDED_TENSORS = tuple(_INNER_TENSOR_NAMES_FOR_SHARDING)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-# The decoding table's rows hold four values, viewed as one wide element (8 bytes for 16-bit dtypes, 16 bytes
-# for fp32) so that decoding is a 1-D gather; fp64 rows are two complex128 elements.
+# The accelerators' decoding table's rows hold four values, viewed as one wide element (8 bytes for 16-bit dtypes,
+# 16 bytes for fp32) so that decoding is a 1-D gather; fp64 rows are two complex128 elements.
 _WIDE_DTYPES = {2: torch.int64, 4: torch.complex128, 8: torch.complex128}
+# The CPU table's rows hold two values: 4, 8 or 16 bytes.
+_PAIR_DTYPES = {2: torch.int32, 4: torch.int64, 8: torch.complex128}
 _QUAD_LUTS: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
 # torchao's NF4 levels, as torchao writes them (NF4Tensor.from_tensor); the tests check they stay equal.
 # fmt: off
@@ -417,18 +419,29 @@ def _meta_nf4(shape: torch.Size, dtype: torch.dtype, block_size: int, scaler_blo
 
 
 def _quad_lut(nf4_values: torch.Tensor) -> torch.Tensor:
-    """A 65536-row table: row ``v`` holds the four NF4 values packed in the uint16 ``v`` (two bytes).
+    """The decoding table of ``nf4_values``' dtype and device, cached (every NF4Tensor carries torchao's same 16
+    levels, see ``_NF4_LEVELS``; ``torchtune_ext.memory`` reads this function and ``_QUAD_LUTS`` by name).
 
-    Cached per dtype and device: every NF4Tensor carries torchao's same 16 levels (see ``_NF4_LEVELS``).
+    On CPU a 256-row table: row ``b`` holds the two NF4 values packed in byte ``b`` (2 KiB in fp32, so it stays in
+    the L1 cache between the gathers, where the 1 MiB four-code table is evicted by every matmul: BENCHMARKS.md,
+    "Peers"). Elsewhere a 65536-row table: row ``v`` holds the four values packed in the uint16 ``v`` (two bytes),
+    one gather per four codes. Each row is one wide element (:data:`_PAIR_DTYPES`, :data:`_WIDE_DTYPES`), so
+    decoding is a 1-D gather.
     """
     key = (nf4_values.dtype, nf4_values.device)
     lut = _QUAD_LUTS.get(key)
     if lut is None:
-        codes = torch.arange(65536, dtype=torch.int32, device=nf4_values.device)
-        # Little-endian: the uint16 view puts byte 0 in the low bits; each byte packs (hi, lo) nibbles.
-        low_byte, high_byte = codes & 0xFF, codes >> 8
-        nibbles = torch.stack([low_byte >> 4, low_byte & 0xF, high_byte >> 4, high_byte & 0xF], dim=-1)
-        lut = nf4_values[nibbles.long()].view(_WIDE_DTYPES[nf4_values.dtype.itemsize])
+        if nf4_values.device.type == "cpu":
+            codes = torch.arange(256, dtype=torch.int32, device=nf4_values.device)
+            nibbles = torch.stack([codes >> 4, codes & 0xF], dim=-1)  # each byte packs (hi, lo) nibbles
+            wide = _PAIR_DTYPES[nf4_values.dtype.itemsize]
+        else:
+            codes = torch.arange(65536, dtype=torch.int32, device=nf4_values.device)
+            # Little-endian: the uint16 view puts byte 0 in the low bits.
+            low_byte, high_byte = codes & 0xFF, codes >> 8
+            nibbles = torch.stack([low_byte >> 4, low_byte & 0xF, high_byte >> 4, high_byte & 0xF], dim=-1)
+            wide = _WIDE_DTYPES[nf4_values.dtype.itemsize]
+        lut = nf4_values[nibbles.long()].view(wide)
         lut = lut.view(-1) if lut.shape[-1] == 1 else lut
         _QUAD_LUTS[key] = lut
     return lut
@@ -472,9 +485,9 @@ def dequantize_nf4(weight: NF4Tensor, dtype: Optional[torch.dtype] = None) -> to
     """Dequantizes an NF4Tensor; equal bit for bit to torchao's ``get_original_weight().to(dtype)``.
 
     Every value is computed as torchao computes it, ``nf4_table[code] * block_scale`` in the NF4Tensor's own
-    dtype, then cast to ``dtype``, so the results are identical. Only the decoding is faster: a 65536-entry table
-    turns each pair of packed bytes (four codes) into four values with one gather, and on CPU the work runs in
-    chunks written straight into the output (no full-size temporaries).
+    dtype, then cast to ``dtype``, so the results are identical. Only the decoding is faster: a lookup table turns
+    each packed byte (two codes; on accelerators each pair of bytes, four codes) into its values with one gather, and
+    on CPU the work runs in chunks written straight into the output (no full-size temporaries).
 
     Args:
         weight (NF4Tensor): the quantized weight (2-D, contiguous or transposed).
@@ -538,6 +551,6 @@ def decode_nf4_(weight: NF4Tensor, packed: torch.Tensor, scalers: torch.Tensor, 
         out (torch.Tensor): ``packed.numel() * 4`` values, written in ``packed``'s logical order.
     """
     lut = _quad_lut(weight.nf4)
-    indices = packed.to(torch.int32).view(-1)
+    indices = (packed.view(torch.uint8) if weight.nf4.device.type == "cpu" else packed).to(torch.int32).view(-1)
     torch.index_select(lut, 0, indices, out=out.view(-1).view(lut.dtype).view(indices.numel(), *lut.shape[1:]))
     out.view(*scalers.shape, weight.block_size).mul_(scalers.unsqueeze(-1))
