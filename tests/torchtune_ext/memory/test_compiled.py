@@ -245,6 +245,7 @@ def test_our_recipe_dry_run_with_compile_estimates_the_compiled_step():
     assert reports[True].splitlines()[1] != reports[False].splitlines()[1]  # the peak: the compiled step's own
 
 
+@pytest.mark.stack
 def test_a_block_masks_leaves_carry_its_mask_mods_document_ids():
     """What a compiled layer's trace takes of a packed batch's ``BlockMask``: its leaves include the document ids
     its ``mask_mod`` captures (a trace would otherwise bake them in as constants), and the mask rebuilt from leaves

@@ -36,6 +36,8 @@ ROW_SCALES = 4096  # SEQ_LEN fp32 values, a multiple of the 512-byte rounding
 NORM_INPUT = SEQ_LEN * DIM * 4  # fp32
 FOR_MODEL = OffloadedActivations.for_model
 
+pytestmark = pytest.mark.stack  # which tensors checkpointing saves is torch's (2.11 saves one more per layer)
+
 
 def _offloaded_estimate(monkeypatch: pytest.MonkeyPatch, hooks: Callable[[nn.Module], Any], *settings: str):
     """The recipe's estimate with offloading, its hooks made by ``hooks(model)`` instead of ``for_model(model)``."""

@@ -27,6 +27,8 @@ DIM = HEADS * HEAD_DIM
 BLOCKS = S // 128  # flex attention's default sparse block size
 ROUND = 512  # the CUDA caching allocator's granularity, as the tracker counts
 
+pytestmark = pytest.mark.stack  # checkpointing, flex attention's BlockMask, AOTAutograd: torch's, per version
+
 
 def _model():
     with training.set_default_dtype(torch.bfloat16), torch.device("meta"):
