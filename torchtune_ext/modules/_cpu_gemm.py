@@ -6,12 +6,13 @@ already goes there), picks its kernels from the CPU's features. Same fp32 arithm
 unless the user sets ``torch.backends.mkldnn.matmul.fp32_precision``), another summation order, so every CPU fp32
 product of our layers (NF4 and dense bases, LoRA adapters, the loss's output projection) goes through :func:`mm_t`:
 the NF4 and dense paths of a layer compute alike. Products of fewer than :data:`MIN_ROWS` rows (a decoded token)
-stay with ``torch.mm``, faster there; ``torch.backends.mkldnn.flags(enabled=False)`` turns oneDNN off. Timings:
-BENCHMARKS.md, "Peers".
+stay with ``torch.mm``, faster there; ``torch.backends.mkldnn.flags(enabled=False)`` turns oneDNN off, and it is
+used on x86 CPUs only. Timings: BENCHMARKS.md, "Peers".
 """
 
 from __future__ import annotations
 
+import platform
 from typing import Any, Optional, Tuple
 
 import torch
@@ -24,8 +25,12 @@ _available: Optional[bool] = None
 
 def _onednn_available() -> bool:
     global _available
-    if _available is None:
-        _available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if _available is None:  # measured on x86 only (other CPUs' oneDNN builds sit on other libraries)
+        _available = (
+            platform.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        )
     return _available and torch._C._get_mkldnn_enabled()
 
 
