@@ -14,6 +14,7 @@ from torchtune.data import Message
 from torchtune.modules.common_utils import delete_kv_caches
 
 from torchtune_ext.config import GENERATION_SCHEMA, bad_value, check_setting, declared
+from torchtune_ext.modules import cached_nf4_scales
 
 #: prompt tokens per cached forward (see ``Generator``).
 PREFILL_CHUNK = 512
@@ -192,7 +193,8 @@ class Generator:
         start = time.perf_counter()
         new: List[int] = []
         reason = "max_new_tokens" if budget == settings.max_new_tokens else "max_seq_len"
-        with contextlib.closing(self._decode(list(prompt_tokens), budget, settings, generator)) as tokens:
+        decoding = contextlib.closing(self._decode(list(prompt_tokens), budget, settings, generator))
+        with cached_nf4_scales(), decoding as tokens:  # CPU: each NF4 weight's block scales dequantized once
             for token in tokens:  # closing: the KV caches go as soon as decoding stops
                 if token in self.stop_ids and not settings.ignore_eos:
                     reason = "eos"
