@@ -81,8 +81,8 @@ def _slab_buffers(weight: NF4Tensor, shape: Tuple[int, int], dtype: torch.dtype)
 def cached_nf4_scales() -> Iterator[None]:
     """Within: CPU decoding (no more than 16 tokens through a weight decoded in one slab, e.g. generating) dequantizes
     each NF4 weight's block scales once and keeps them until the context ends: 4 bytes per block of 64 weights in
-    fp32 (an eighth of the NF4 weights' own bytes), about 9% less CPU time per decoded token of SmolLM2-135M
-    (BENCHMARKS.md, "Peers"). Nested contexts share the outermost one's scales.
+    fp32 (an eighth of the NF4 weights' own bytes) for fewer torch calls per decoded token (BENCHMARKS.md, "Peers").
+    Nested contexts share the outermost one's scales.
     """
     global _SCALES_CACHE
     outer = _SCALES_CACHE
