@@ -24,6 +24,23 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 import pytest
 import torch.multiprocessing as mp
 
+
+def _import_the_package_under_test() -> None:
+    """Imports ``torchtune_ext`` as Python finds it without this folder on ``sys.path``: the console script
+    ``pytest`` (unlike ``python -m pytest``, which puts the working folder first) starts with only ``tests/`` there,
+    where ``tests/torchtune_ext`` would be imported as an empty namespace package before an editable install's
+    finder is asked. Once imported, every test gets the same module."""
+    here = Path(__file__).resolve().parent
+    saved = list(sys.path)
+    sys.path[:] = [entry for entry in saved if Path(entry or ".").resolve() != here]
+    try:
+        import torchtune_ext  # noqa: F401
+    finally:
+        sys.path[:] = saved
+
+
+_import_the_package_under_test()
+
 DIST_TIMEOUT_S = 120
 #: what a worker of ``tune run --nproc_per_node`` / ``torchrun`` has in its environment (a test runs as none).
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHTUNE_EXT_CONFIG_ERROR_DIR", "TORCHTUNE_EXT_TRACEBACK")

@@ -107,3 +107,12 @@ def test_pytest_in_a_second_checkout_tests_its_own_code(checkouts):
     )
     out = _run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)], b)
     assert "1 passed" in out, out
+
+
+def test_the_pytest_command_in_the_installed_checkout_collects_its_tests():
+    """The console script ``pytest`` (not ``python -m pytest``: no working folder on ``sys.path``, only ``tests/``,
+    which holds a ``torchtune_ext`` folder of its own) imports the installed package (tests/conftest.py)."""
+    pytest_script = Path(sys.executable).parent / "pytest"
+    test_file = "tests/torchtune_ext/checkpoint/test_lock.py"
+    out = _run([str(pytest_script), "--collect-only", "-q", "-p", "no:cacheprovider", test_file], ROOT)  # rc 0
+    assert "tests collected" in out, out
