@@ -17,6 +17,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 #: products with fewer rows (tokens) than this use ``torch.mm``.
 MIN_ROWS = 4
@@ -36,7 +37,8 @@ def _onednn_available() -> bool:
 
 def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`mm_t` computes ``x @ weight.T`` with oneDNN (CPU, fp32, 2-D, at least :data:`MIN_ROWS` rows,
-    no empty dimension).
+    no empty dimension; not for fake tensors or while compiling: the memory estimate runs the step on fake CPU
+    tensors for a GPU, which never takes this path).
 
     Args:
         x (torch.Tensor): the left factor.
@@ -47,6 +49,8 @@ def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return False
+    if is_fake(x) or is_fake(weight) or torch.compiler.is_compiling():
+        return False  # the memory estimate and compiled graphs model the step a GPU runs: torch.mm
     if x.dim() != 2 or weight.dim() != 2 or x.shape[0] < MIN_ROWS or x.shape[1] == 0 or weight.shape[0] == 0:
         return False
     return _onednn_available()
