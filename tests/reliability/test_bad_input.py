@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Dict, List
@@ -791,3 +792,20 @@ def test_unmatched_glob_names_the_nearest_keys(tiny_model):
     text = str(raised.value)
     assert "include_keys pattern 'layers.*.attn.qproj.*' matches no state-dict key. Nearest keys: [" in text, text
     assert "layers.0.attn.q_proj" in text.split("Nearest keys:")[1]
+
+
+def test_eval_without_lm_eval_prints_how_to_install_it_in_one_line(inputs, monkeypatch, capfd):
+    """Without the ``eval`` extra, the evaluation recipe says how to install it in one line, before any load."""
+    monkeypatch.setitem(sys.modules, "lm_eval.api.model", None)  # its import raises ImportError, as when absent
+    monkeypatch.delitem(sys.modules, "torchtune_ext.evaluation._lm", raising=False)
+    config = REPO / "configs" / "tiny" / "eleuther_eval.yaml"
+    argv = ["recipes/eleuther_eval.py", "--config", str(config), f"checkpointer.checkpoint_dir={inputs['base']}"]
+    run = run_main(_use_recipe("eleuther_eval").recipe_main, [*argv, "tasks=[x]"], monkeypatch, capfd, cwd=REPO)
+    output = run.stdout + run.stderr
+    assert run.returncode == 1 and "Traceback" not in output, output[-4000:]
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert errors == [
+        "eleuther_eval: error: lm-eval is not installed: the eleuther_eval recipe needs EleutherAI's lm-eval harness: "
+        "pip install 'torchtune_ext[eval]' (or pip install 'lm-eval>=0.4.5')."
+    ], output[-4000:]
+    assert "Loaded" not in output
