@@ -27,6 +27,11 @@ class UserFacingError(Exception):
     exit_code = 1
 
 
+class MissingExtraError(UserFacingError, ImportError):
+    """An optional extra (``eval``, ``gguf``, ...) is not installed: one line with the command that installs it. Also
+    an ``ImportError``, what code importing an optional module expects."""
+
+
 class ConfigError(UserFacingError, ValueError):
     """A bad config value or input file, found before anything is written. Its message is one line per problem, each
     naming the key, the value and the fix.

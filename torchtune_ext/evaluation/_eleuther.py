@@ -35,7 +35,7 @@ from torchtune_ext.training import build_tokenizer
 
 
 def _torchtune_lm_class() -> type:
-    """:class:`~torchtune_ext.evaluation._lm.TorchtuneLM`, or a UserFacingError that says how to install lm-eval."""
+    """:class:`~torchtune_ext.evaluation._lm.TorchtuneLM`, or a MissingExtraError that says how to install lm-eval."""
     from torchtune_ext.evaluation._lm import TorchtuneLM
 
     return TorchtuneLM
@@ -87,7 +87,7 @@ class EleutherEvalRecipe:
         ConfigError: on an unknown key, a device that is not there, an empty task list, a task lm-eval does not know
             (with ``include_path``), or a bad ``batch_size`` / ``max_seq_len``, naming the key
             (``ConfigFileNotFoundError``: a missing ``include_path`` or ``merged_dir``).
-        UserFacingError: when lm-eval (the ``eval`` extra) is not installed, with the command that installs it.
+        MissingExtraError: when lm-eval (the ``eval`` extra) is not installed, with the command that installs it.
     """
 
     def __init__(self, cfg: DictConfig):

@@ -11,13 +11,13 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from torchtune_ext.config import UserFacingError
+from torchtune_ext.config import MissingExtraError
 from torchtune_ext.generation import Generator, SamplingSettings
 
 try:
     from lm_eval.api.model import TemplateLM
 except ImportError as error:  # the optional extra; the recipe prints this one line, no traceback
-    raise UserFacingError(
+    raise MissingExtraError(
         "lm-eval is not installed: the eleuther_eval recipe needs EleutherAI's lm-eval harness: "
         "pip install 'torchtune_ext[eval]' (or pip install 'lm-eval>=0.4.5')."
     ) from error
