@@ -24,7 +24,7 @@
 #   3-4. the 1B-shaped recipe end to end (`tune run`, fused AdamW), fp16 then fp32: loss, scale, tokens/s, peak     76
 #   5. the 1B-shaped load onto the GPU, ours vs torchtune's recipe set-up (time, GPU and host peak)              40
 #   6-7. the tiny default trained, then answering with its adapter (the generation recipe)                        35
-#   8. the tiny recipe, ours vs torchtune's lora_finetune_single_device (fp32, bf16)                              30
+#   8. the tiny recipe, ours vs torchtune's lora_finetune_single_device (fp32, bf16; the rehearsal: fp32)        30
 #   9-10. NF4 dequantization and linear fwd+bwd, ours vs torchao vs dense                                          35
 #   11. compile=True: the compiled estimate vs measured (bf16, 2048)                                             35
 # Not here (no time left in one try): the 1.5B-shaped load against its file's read (bench/load_scaling.py --device
@@ -44,12 +44,13 @@ mkdir -p "$OUT" "$CACHE"
 rm -rf "$LOGS" && mkdir -p "$LOGS"
 
 if [ "$SIZE" = tiny ]; then
-  CONFIG=configs/tiny/qlora_single_device.yaml SEQ=64 LONG_SEQ=256 TRAIN_STEPS=4 VS_STEPS=8
+  CONFIG=configs/tiny/qlora_single_device.yaml SEQ=64 LONG_SEQ=256 TRAIN_STEPS=4 VS_STEPS=8 VS_DTYPES=fp32
   NF4="--quick --shape 512x256 --dtypes bf16"
   CKPT="$CACHE/random_qlora_tiny_llama"
   DATA="batch_size=4 gradient_accumulation_steps=1 run_val_every_n_steps=null"
 else
-  CONFIG=configs/llama3_2/1B_qlora_single_device.yaml SEQ=2048 LONG_SEQ=16384 TRAIN_STEPS=12 VS_STEPS=20 NF4=--quick
+  CONFIG=configs/llama3_2/1B_qlora_single_device.yaml SEQ=2048 LONG_SEQ=16384 TRAIN_STEPS=12 VS_STEPS=20
+  VS_DTYPES=fp32,bf16 NF4=--quick
   CKPT="$CACHE/random_qlora_llama3_2_1b"
   DATA="tokenizer._component_=torchtune_ext.data.tiny_tokenizer ~tokenizer.path tokenizer.max_seq_len=512
         dataset._component_=torchtune_ext.data.tiny_instruct_dataset ~dataset.packed batch_size=8
@@ -165,7 +166,7 @@ main() {
   tune_run generation 15 recipes/generate.py configs/tiny/generation.yaml \
     checkpointer.checkpoint_dir="$CACHE/tiny_base" adapter_dir="$CACHE/tiny_qlora/step_20/adapter" \
     output_dir="$CACHE/tiny_generation"
-  step recipe_vs_torchtune 30 $PY bench/recipe.py --device "$DEVICE" --dtypes fp32,bf16 --steps $VS_STEPS --repeats 1 \
+  step recipe_vs_torchtune 30 $PY bench/recipe.py --device "$DEVICE" --dtypes $VS_DTYPES --steps $VS_STEPS --repeats 1 \
     --base "$CACHE/tiny_base"
   step nf4_dequant 15 $PY bench/nf4_dequant.py --device "$DEVICE" $NF4
   step nf4_linear 20 $PY bench/nf4_linear.py --device "$DEVICE" $NF4

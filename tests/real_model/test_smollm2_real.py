@@ -58,7 +58,7 @@ def _held_out() -> List[Dict[str, str]]:
 
 def _run(args: List[str]) -> str:
     result = subprocess.run(
-        args, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "2"}
+        args, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, env={"OMP_NUM_THREADS": "2", **os.environ}
     )
     assert result.returncode == 0, f"{args[:3]} failed (rc {result.returncode}):\n{result.stderr[-6000:]}"
     return result.stdout
