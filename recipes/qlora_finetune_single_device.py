@@ -328,6 +328,8 @@ def main(cfg: DictConfig, distributed: bool = False) -> None:
         recipe.setup(cfg=cfg)  # checks everything, then builds: model, data, optimizer, schedule, resumed state
         recipe.train()
         recipe.cleanup()  # closes the logger, prints the summary
+    except torch.OutOfMemoryError as error:  # one message: the settings that lower the peak, the resume command
+        raise recipe.out_of_memory(error) from None
     finally:
         if world_size > 1:
             destroy_distributed()

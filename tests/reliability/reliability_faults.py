@@ -6,6 +6,7 @@ fault at given training steps, on one rank or all:
 - ``fault=pause``: write ``marker`` (this process's pid) and sleep forever: the test SIGKILLs the process there
   (a crash mid-training), or leaves it stalled (a hung rank).
 - ``fault=raise``: raise a RuntimeError (a rank that fails in step k).
+- ``fault=oom``: raise ``torch.OutOfMemoryError`` with the CUDA allocator's message (a step that does not fit).
 - ``fault=scale_grad``: leave the loss value alone but multiply its gradient by ``grad_factor`` (fp16 overflow).
 - ``fault=signal``: send this process the signal ``signum`` (an interrupt at an exact step).
 
@@ -23,7 +24,13 @@ from typing import List, Optional, Sequence
 import torch
 from torchtune.modules import loss as tune_loss
 
-FAULTS = ("pause", "raise", "scale_grad", "signal")
+FAULTS = ("pause", "raise", "oom", "scale_grad", "signal")
+#: what the CUDA caching allocator says when a step does not fit (torch 2.13, a 16 GB T4).
+CUDA_OOM_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 14.74 GiB of which 1.12 GiB is "
+    "free. Of the allocated memory 12.90 GiB is allocated by PyTorch, and 0.51 GiB is reserved by PyTorch but "
+    "unallocated."
+)
 
 
 def pause_here(marker: str) -> None:
@@ -60,7 +67,7 @@ class CEWithChunkedOutputLoss(tune_loss.CEWithChunkedOutputLoss):
     Args:
         num_output_chunks (int): as torchtune's.
         ignore_index (int): as torchtune's.
-        fault (Optional[str]): ``pause``, ``raise``, ``scale_grad`` or None (a plain loss).
+        fault (Optional[str]): ``pause``, ``raise``, ``oom``, ``scale_grad``, ``signal`` or None (a plain loss).
         steps (Sequence[int]): the steps the fault happens at.
         rank (Optional[int]): only this rank injects the fault; None: every rank.
         marker (Optional[str]): file written by ``pause``.
@@ -108,4 +115,6 @@ class CEWithChunkedOutputLoss(tune_loss.CEWithChunkedOutputLoss):
             return loss
         if self.fault == "raise":
             raise RuntimeError(f"injected fault: rank {this_rank()} fails in step {self.training_calls}")
+        if self.fault == "oom":
+            raise torch.OutOfMemoryError(CUDA_OOM_MESSAGE)
         return _ScaleGrad.apply(loss, self.grad_factor)

@@ -24,6 +24,7 @@ from torchtune_ext.training._metrics import (
     rss_bytes,
 )
 from torchtune_ext.training._nonfinite import NonFiniteError, NonFiniteGuard, check_base_finite
+from torchtune_ext.training._oom import DeviceOutOfMemoryError, out_of_memory_error
 from torchtune_ext.training._precision import (
     DistributedLossScaler,
     LossScaler,
@@ -43,6 +44,7 @@ from torchtune_ext.training._summary import progress_note
 
 __all__ = [
     "DTYPES",
+    "DeviceOutOfMemoryError",
     "RECIPE_ALLOWANCE",
     "DistributedLossScaler",
     "InterruptGuard",
@@ -72,6 +74,7 @@ __all__ = [
     "launched_world_size_and_rank",
     "memory_stats",
     "merge_command",
+    "out_of_memory_error",
     "pad_batch_",
     "parse_dtype",
     "peak_rss_bytes",

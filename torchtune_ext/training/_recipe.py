@@ -31,6 +31,7 @@ from torchtune_ext.training._dry_run import dry_run_report, recipe_memory_estima
 from torchtune_ext.training._export import export_merged
 from torchtune_ext.training._interrupt import interrupted_message, resume_command
 from torchtune_ext.training._metrics import Throughput
+from torchtune_ext.training._oom import DeviceOutOfMemoryError, out_of_memory_error
 from torchtune_ext.training._rng import all_rng_states, set_rng_state
 from torchtune_ext.training._setup import RecipeSetup
 from torchtune_ext.training._summary import run_summary
@@ -283,6 +284,20 @@ class QLoRARecipe(RecipeSetup):
         return report
 
     # ----------------------------------------------------------------------------------------------- the end
+
+    def out_of_memory(self, error: torch.OutOfMemoryError) -> DeviceOutOfMemoryError:
+        """The one message for the device running out of memory in :meth:`setup` or the loop, naming the settings
+        that lower the peak and the resume command (:func:`~torchtune_ext.training.out_of_memory_error`); the
+        failed step's tensors are released first."""
+        step = self.global_step + 1 if hasattr(self, "_first_step_of_run") else None
+        return out_of_memory_error(
+            error,
+            step,
+            self.settings,
+            self._last_saved(),
+            fsdp_cpu_offload=getattr(self, "_fsdp_cpu_offload", False),
+            distributed=self.world_size > 1,
+        )
 
     def cleanup(self) -> None:
         """Closes the metric logger and prints (rank 0) the run's summary: loss, peak memory, mean tokens/s, and
