@@ -8,6 +8,7 @@ LoRA on q/v only, so the first layer's k (from the frozen embedding, no adapter)
 import pytest
 import torch
 from torch._subclasses import FakeTensorMode
+from torch.torch_version import TorchVersion
 from torchtune import training
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import PackedDataset
@@ -26,6 +27,10 @@ B, S, LAYERS, HEADS, HEAD_DIM = 2, 256, 2, 4, 64
 DIM = HEADS * HEAD_DIM
 BLOCKS = S // 128  # flex attention's default sparse block size
 ROUND = 512  # the CUDA caching allocator's granularity, as the tracker counts
+# torch < 2.11 hands flex attention's backward zero gradients for its fp32 statistics (logsumexp and max scores, each
+# B x HEADS x S), materialized (2.11 on: ``set_materialize_grads(False)``, None); the estimate counts what runs: both
+# in eager, logsumexp's alone in a compiled graph (measured on torch 2.10).
+STAT_GRADS_EAGER, STAT_GRADS_COMPILED = (2, 1) if TorchVersion(torch.__version__) < "2.11" else (0, 0)
 
 pytestmark = pytest.mark.stack  # checkpointing, flex attention's BlockMask, AOTAutograd: torch's, per version
 
@@ -95,7 +100,8 @@ def test_flex_attention_counts_its_outputs_and_backward_workspace():
     # Live at the end of the backward op: out, its gradient, logsumexp and max scores (saved), dQ/dK/dV, the
     # delta; and 6 zero-dim tensors the eager op's autograd makes to trace its score function (one block each;
     # the compiled kernel on a GPU has none).
-    assert result.peak_bytes == 2 * q_bytes + 2 * row_bytes + 3 * q_bytes + row_bytes + 6 * ROUND
+    stat_grads = STAT_GRADS_EAGER * row_bytes
+    assert result.peak_bytes == 2 * q_bytes + 2 * row_bytes + 3 * q_bytes + row_bytes + 6 * ROUND + stat_grads
 
 
 def test_packed_estimate_differs_from_padded_only_by_mask_positions_and_kernel():
@@ -122,7 +128,7 @@ def test_compiled_packed_estimate_differs_from_padded_by_the_batch_and_the_kerne
     padded = _estimate(TorchtuneStep(), checkpointing=True, compile=True)
     packed = _estimate(TorchtuneStep(packed=True), checkpointing=True, compile=True)
     flash = 4 * B * S * HEADS * HEAD_DIM + 4 * B * HEADS * S  # S = 256 and HEAD_DIM = 64 are multiples already
-    flex = 4 * B * HEADS * S
+    flex = 4 * B * HEADS * S * (1 + STAT_GRADS_COMPILED)
     assert packed.peak_bytes - padded.peak_bytes == 2 * B * S * 8 + 8 * ROUND + flex - flash
 
 
