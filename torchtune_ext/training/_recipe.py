@@ -295,7 +295,7 @@ class QLoRARecipe(RecipeSetup):
             step,
             self.settings,
             self._last_saved(),
-            fsdp_cpu_offload=getattr(self, "_fsdp_cpu_offload", False),
+            fsdp_cpu_offload=self._fsdp_cpu_offload,
             distributed=self.world_size > 1,
         )
 
