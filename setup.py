@@ -49,6 +49,10 @@ setup(
         "torchtune_ext.configs",
     ],
     package_dir={"torchtune_ext.recipes": "recipes", "torchtune_ext.configs": "configs"},
-    package_data={"torchtune_ext.assets": ["*"], "torchtune_ext.configs": ["**/*.yaml"]},
+    package_data={
+        "torchtune_ext.assets": ["*"],
+        "torchtune_ext.nf4": ["*.c"],
+        "torchtune_ext.configs": ["**/*.yaml"],
+    },
     cmdclass={"build_py": BuildPyWithPth},
 )

@@ -66,6 +66,7 @@ LAYERS = {
     "_compat": 0,
     "_dtype": 0,
     "_finite": 0,
+    "_cache": 0,
     "nf4": 1,
     "distributed": 2,
     "modules": 3,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import os
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
@@ -15,6 +14,7 @@ from typing import Any, Dict, List, Optional, Union
 import filelock
 import torch
 
+from torchtune_ext._cache import cache_dir as default_cache_dir
 from torchtune_ext.checkpoint._atomic import atomic_directory
 from torchtune_ext.config import UserFacingError
 
@@ -60,9 +60,7 @@ def smollm2_135m_instruct_checkpoint(cache_dir: Optional[PathLike] = None, dtype
     import transformers
 
     gguf_file = smollm2_135m_instruct_gguf()
-    if cache_dir is None:
-        xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchtune_ext"
-        cache_dir = os.environ.get("TORCHTUNE_EXT_CACHE") or xdg
+    cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
     name = (
         f"SmolLM2-135M-Instruct-{SMOLLM2_PACKAGE}-{metadata.version(SMOLLM2_PACKAGE)}"
         f"-transformers-{transformers.__version__}-{str(dtype).removeprefix('torch.')}"

@@ -1,11 +1,12 @@
 """Fake CPU copies of meta-built models, and the accelerator code path of our NF4 linear on CPU tensors.
 
 Fake CUDA tensors cannot run backward on a machine without a GPU (the autograd engine needs a CUDA device guard),
-so estimates run on fake CPU tensors: shapes, dtypes and storage sizes without data. Two things differ between a
-CPU and a CUDA run of our NF4 code, and :func:`accelerator_code_path` makes a CPU run take the CUDA branch of both:
+so estimates run on fake CPU tensors: shapes, dtypes and storage sizes without data. Three things differ between a
+CPU and a CUDA run of our NF4 code, and :func:`accelerator_code_path` makes a CPU run take the CUDA branch of each:
 ``linear_nf4`` on CPU dequantizes large weights slab by slab into reused buffers (on an accelerator it dequantizes
-the whole weight, computes, frees it), and ``dequantize_nf4`` on CPU decodes in 4M-value chunks into a huge-page
-buffer (on an accelerator in one pass).
+the whole weight, computes, frees it), ``dequantize_nf4`` on CPU decodes in 4M-value chunks into a huge-page
+buffer (on an accelerator in one pass), and on x86 CPUs the native kernels decode into the output's dtype directly
+and multiply a few tokens without a dequantized weight (an accelerator decodes in the weight's dtype, then casts).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torchtune_ext.modules.low_precision as low_precision
 _LINEAR_SWITCHES = {"_CPU_SLAB_NUMEL": 1 << 62, "_SMALL_BATCH_TOKENS": 0}
 _CODEC_SWITCHES = {"_CPU_CHUNK_NUMEL": 1 << 62}
 _CODEC_ALLOCATOR = "empty_with_huge_pages"
+# The native CPU kernels' state (in the module defining the nf4_decode that dequantize_nf4 calls): reported unavailable.
+_KERNEL_SWITCHES = {"_state": {"reason": "off while estimating an accelerator's step"}}
 # Per-(dtype, device) lookup-table caches: fake tables must not outlive an estimate, real ones must not enter it.
 _TABLE_CACHES = ("_QUAD_LUTS", "_CODE_LUTS")
 
@@ -45,7 +48,8 @@ def _nf4_code_modules() -> Tuple[ModuleType, ModuleType]:
 
 @contextmanager
 def accelerator_code_path() -> Iterator[None]:
-    """Within: our NF4 code on CPU tensors runs its accelerator branch (whole-weight dequantization, no slabs).
+    """Within: our NF4 code on CPU tensors runs its accelerator branch (whole-weight dequantization, no slabs, no
+    native CPU kernels).
 
     Also empties the NF4 lookup-table caches for the duration (restored after), so the tables a run builds are
     counted, and fake tables never reach a later real run.
@@ -58,6 +62,8 @@ def accelerator_code_path() -> Iterator[None]:
     switches = [(linear_module, name, value) for name, value in _LINEAR_SWITCHES.items()]
     switches += [(codec_module, name, value) for name, value in _CODEC_SWITCHES.items()]
     switches.append((codec_module, _CODEC_ALLOCATOR, _empty))
+    kernels_module = sys.modules[codec_module.nf4_decode.__module__]
+    switches += [(kernels_module, name, value) for name, value in _KERNEL_SWITCHES.items()]
     caches = [getattr(codec_module, name, None) for name in _TABLE_CACHES]
     missing = [f"{m.__name__}.{name}" for m, name, _ in switches if not hasattr(m, name)]
     missing += [f"{codec_module.__name__}.{name}" for name, c in zip(_TABLE_CACHES, caches) if not isinstance(c, dict)]

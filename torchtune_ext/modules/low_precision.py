@@ -34,8 +34,12 @@ from torchtune_ext.nf4 import (
     check_nf4_shape,
     decode_nf4_,
     decode_whole_nf4,
+    dense16_mv,
+    dense16_mv_supports,
     dequantize_nf4,
     dequantize_nf4_scalers,
+    nf4_mv,
+    nf4_mv_supports,
     quantize_nf4,
 )
 
@@ -72,11 +76,6 @@ def _small_batch_rows(weight: NF4Tensor, tokens: int) -> Optional[int]:
     return min(out_dim, max(1, _CPU_SLAB_NUMEL // in_dim)) if in_dim % weight.block_size == 0 else None
 
 
-def _slab_buffers(weight: NF4Tensor, shape: Tuple[int, int], dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    decoded = torch.empty(shape, dtype=weight.dtype, device=weight.device)
-    return decoded, decoded if dtype == weight.dtype else torch.empty(shape, dtype=dtype, device=weight.device)
-
-
 @contextmanager
 def cached_nf4_scales() -> Iterator[None]:
     """Within: CPU decoding (no more than 16 tokens through a weight decoded in one slab, e.g. generating) dequantizes
@@ -93,14 +92,17 @@ def cached_nf4_scales() -> Iterator[None]:
         _SCALES_CACHE = outer
 
 
-def _block_scales(weight: NF4Tensor) -> torch.Tensor:
-    """``weight``'s dequantized block scales as ``(n_blocks, 1)``, kept within :func:`cached_nf4_scales`."""
+def _block_scales(weight: NF4Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``weight``'s dequantized block scales as ``(n_blocks, 1)`` in ``dtype`` (None: the weight's), kept within
+    :func:`cached_nf4_scales`."""
+    dtype = dtype or weight.dtype
     cache = _SCALES_CACHE
-    scales = None if cache is None else cache.get(weight)
+    kept = {} if cache is None else cache.get(weight, {})
+    scales = kept.get(dtype)
     if scales is None:
-        scales = dequantize_nf4_scalers(weight).unsqueeze(-1)
+        scales = kept[dtype] = dequantize_nf4_scalers(weight).unsqueeze(-1).to(dtype)
         if cache is not None:
-            cache[weight] = scales
+            cache[weight] = kept
     return scales
 
 
@@ -108,17 +110,14 @@ def _linear_slabs(x: torch.Tensor, weight: NF4Tensor, rows: int) -> torch.Tensor
     """``x @ dequant(W).T`` in ``x.dtype``, a slab of ``rows`` rows of W at a time (never the whole dense W)."""
     out_dim, in_dim = weight.shape
     if rows >= out_dim:  # one slab (a decoded token's small weights): the fewest torch calls
-        decoded = decode_whole_nf4(weight, _block_scales(weight))
-        return mm_t(x, decoded if x.dtype == weight.dtype else decoded.to(x.dtype))
+        return mm_t(x, decode_whole_nf4(weight, _block_scales(weight), x.dtype))
     scalers = dequantize_nf4_scalers(weight).view(out_dim, in_dim // weight.block_size)
     packed = weight.quantized_data.view(torch.uint16).view(out_dim, in_dim // 4)
-    decoded, slab = _slab_buffers(weight, (rows, in_dim), x.dtype)
+    slab = torch.empty(rows, in_dim, dtype=x.dtype, device=weight.device)
     out = torch.empty(x.shape[0], out_dim, dtype=x.dtype, device=x.device)
     for start in range(0, out_dim, rows):
         stop = min(start + rows, out_dim)
-        decode_nf4_(weight, packed[start:stop], scalers[start:stop], decoded[: stop - start])
-        if slab is not decoded:
-            slab[: stop - start].copy_(decoded[: stop - start])
+        decode_nf4_(weight, packed[start:stop], scalers[start:stop], slab[: stop - start])
         mm_t(x, slab[: stop - start], out=out[:, start:stop])
     return out
 
@@ -130,16 +129,13 @@ def _grad_input_slabs(grad: torch.Tensor, weight: NF4Tensor, cols: int) -> torch
     scalers = dequantize_nf4_scalers(weight).view(out_dim, in_dim // block_size)
     packed = weight.quantized_data.view(torch.uint16).view(out_dim, in_dim // 4)
     grad_input = torch.empty(grad.shape[0], in_dim, dtype=grad.dtype, device=grad.device)
-    decoded, slab = _slab_buffers(weight, (out_dim * cols,), grad.dtype)
+    slab = torch.empty(out_dim * cols, dtype=grad.dtype, device=weight.device)
     for start in range(0, in_dim, cols):
         stop = min(start + cols, in_dim)
-        width = stop - start
-        piece = decoded[: out_dim * width].view(out_dim, width)
+        piece = slab[: out_dim * (stop - start)].view(out_dim, stop - start)
         blocks = slice(start // block_size, stop // block_size)
         decode_nf4_(weight, packed[:, start // 4 : stop // 4], scalers[:, blocks], piece)
-        if slab is not decoded:
-            slab[: out_dim * width].copy_(decoded[: out_dim * width])
-        mm_t(grad, slab[: out_dim * width].view(out_dim, width).t(), out=grad_input[:, start:stop])
+        mm_t(grad, piece.t(), out=grad_input[:, start:stop])
     return grad_input
 
 
@@ -152,11 +148,13 @@ def _compute_dtype(input: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.d
 
 
 def _linear_nf4_forward(input: torch.Tensor, weight: NF4Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``input @ dequant(weight).T`` in ``dtype``: slab by slab on CPU (see :class:`LinearNF4`)."""
-    plan = _slab_plan(weight)
-    tokens = input.numel() // max(weight.shape[1], 1)
-    rows = plan[0] if plan is not None else _small_batch_rows(weight, tokens)
+    """``input @ dequant(weight).T`` in ``dtype``: a few tokens on CPU through the NF4 kernel where it applies, else
+    slab by slab on CPU (see :class:`LinearNF4`)."""
+    if nf4_mv_supports(input, weight, dtype):
+        return nf4_mv(input, weight, _block_scales(weight, torch.float32), dtype)
     x = input.to(dtype).reshape(-1, weight.shape[1])
+    plan = _slab_plan(weight)
+    rows = plan[0] if plan is not None else _small_batch_rows(weight, x.shape[0])
     out = mm_t(x, dequantize_nf4(weight, dtype)) if rows is None else _linear_slabs(x, weight, rows)
     return out.view(*input.shape[:-1], weight.shape[0])
 
@@ -263,6 +261,8 @@ def mm_weight_t(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, out: 
     """
     if weight.dtype == dtype:
         return mm_t(x, weight, out=out)
+    if dtype == torch.float32 and dense16_mv_supports(x, weight):  # a few tokens on CPU: read as stored
+        return dense16_mv(x, weight) if out is None else out.copy_(dense16_mv(x, weight))
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=dtype, device=x.device)
     for start, stop in _row_blocks(weight):

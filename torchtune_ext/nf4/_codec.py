@@ -22,6 +22,7 @@ from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor
 
 from torchtune_ext._compat import _INNER_TENSOR_NAMES_FOR_SHARDING, NF4Tensor, SubclassTensorArgs
+from torchtune_ext.nf4._cpu_kernels import nf4_decode, nf4_decode_supports
 from torchtune_ext.nf4._huge_pages import empty_with_huge_pages
 
 NF4_BLOCK_SIZE = 64
@@ -528,46 +529,57 @@ def _dequantize_into(weight: NF4Tensor, out_blocks: torch.Tensor) -> None:
     n_blocks, block_size = out_blocks.shape
     quads = block_size // 4
     chunk = n_blocks if weight.device.type != "cpu" else max(1, _CPU_CHUNK_NUMEL // block_size)
-    chunk = min(chunk, n_blocks)
-    staging = None
-    if out_blocks.dtype != weight.dtype:
-        staging = torch.empty(chunk, block_size, dtype=weight.dtype, device=weight.device)
     for start in range(0, n_blocks, chunk):
         stop = min(start + chunk, n_blocks)
-        values = out_blocks[start:stop] if staging is None else staging[: stop - start]
-        decode_nf4_(weight, packed[start * quads : stop * quads], scalers[start:stop], values)
-        if staging is not None:
-            out_blocks[start:stop].copy_(values)
+        decode_nf4_(weight, packed[start * quads : stop * quads], scalers[start:stop], out_blocks[start:stop])
 
 
-def decode_whole_nf4(weight: NF4Tensor, scalers: torch.Tensor) -> torch.Tensor:
-    """``dequantize_nf4(weight)`` of a contiguous CPU weight of whole blocks, in its dtype, its block scales given:
-    the same values in the fewest torch calls (one gather, one multiply: a decoded token's weights).
+def decode_whole_nf4(weight: NF4Tensor, scalers: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``dequantize_nf4(weight, dtype)`` of a contiguous CPU weight of whole blocks, its block scales given: the same
+    values in the fewest calls (a few decoded tokens' weights).
 
     Args:
         weight (NF4Tensor): the weight (CPU, contiguous, ``numel`` a multiple of its ``block_size``).
         scalers (torch.Tensor): its dequantized block scales, ``(n_blocks, 1)`` (``dequantize_nf4_scalers``).
+        dtype (Optional[torch.dtype]): output dtype; None keeps the weight's.
 
     Returns:
-        torch.Tensor: the dense weight, ``weight.shape``, ``weight.dtype``.
+        torch.Tensor: the dense weight, ``weight.shape``, in ``dtype``.
     """
+    dtype = dtype or weight.dtype
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    codes = weight.quantized_data
+    if nf4_decode_supports(weight, codes, out.view(-1)):
+        nf4_decode(weight, codes, scalers.view(-1).float(), out.view(-1))
+        return out
     lut = _quad_lut(weight.nf4)  # the CPU table: one row per packed byte
-    decoded = torch.index_select(lut, 0, weight.quantized_data.to(torch.int32)).view(weight.dtype)
+    decoded = torch.index_select(lut, 0, codes.to(torch.int32)).view(weight.dtype)
     decoded.view(-1, weight.block_size).mul_(scalers)
-    return decoded.view(weight.shape)
+    return decoded.view(weight.shape).to(dtype)
 
 
 def decode_nf4_(weight: NF4Tensor, packed: torch.Tensor, scalers: torch.Tensor, out: torch.Tensor) -> None:
-    """Dequantizes a block-aligned piece of ``weight`` into ``out`` (contiguous, ``weight.dtype``).
+    """Dequantizes a block-aligned piece of ``weight`` into ``out``: its values in ``weight.dtype``, converted to
+    ``out``'s dtype as ``.to`` would (on x86-64 CPUs in one pass, :mod:`torchtune_ext.nf4._cpu_kernels`).
 
     Args:
         weight (NF4Tensor): the weight the piece belongs to (for its NF4 table and block size).
-        packed (torch.Tensor): the piece's packed codes as uint16 (four codes each), any shape and strides.
+        packed (torch.Tensor): the piece's packed codes as uint16 (four codes each), 1-D or 2-D, unit stride in the
+            last dim.
         scalers (torch.Tensor): its block scales, shaped like ``packed`` with ``block_size // 4`` times fewer
             elements in the last dim.
-        out (torch.Tensor): ``packed.numel() * 4`` values, written in ``packed``'s logical order.
+        out (torch.Tensor): ``packed.numel() * 4`` values (contiguous, any float dtype), written in ``packed``'s
+            logical order.
     """
+    codes = packed.view(torch.uint8)
+    rows = out.view(-1) if codes.dim() == 1 else out.view(codes.shape[0], -1)
+    if nf4_decode_supports(weight, codes, rows):
+        nf4_decode(weight, codes, scalers.float(), rows)
+        return
+    values = out if out.dtype == weight.dtype else torch.empty(out.shape, dtype=weight.dtype, device=out.device)
     lut = _quad_lut(weight.nf4)
-    indices = (packed.view(torch.uint8) if weight.nf4.device.type == "cpu" else packed).to(torch.int32).view(-1)
-    torch.index_select(lut, 0, indices, out=out.view(-1).view(lut.dtype).view(indices.numel(), *lut.shape[1:]))
-    out.view(*scalers.shape, weight.block_size).mul_(scalers.unsqueeze(-1))
+    indices = (codes if weight.nf4.device.type == "cpu" else packed).to(torch.int32).view(-1)
+    torch.index_select(lut, 0, indices, out=values.view(-1).view(lut.dtype).view(indices.numel(), *lut.shape[1:]))
+    values.view(*scalers.shape, weight.block_size).mul_(scalers.unsqueeze(-1))
+    if values is not out:
+        out.copy_(values)
