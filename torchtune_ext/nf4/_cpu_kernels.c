@@ -11,6 +11,8 @@
 #include <stdint.h>
 
 enum { KEEP_FP32 = 0, ROUND_BF16 = 1, ROUND_FP16 = 2 };
+/* The table lookups (permutes) read only the low 4 bits of each 32-bit index (AVX2's: 3, and bit 3 picks the half),
+ * so a code byte widened to 32 bits is the index of its low nibble as it is. */
 /* tokens multiplied per pass over a row of W (their accumulators stay in registers) */
 #define TOKENS_PER_PASS 4
 
@@ -49,7 +51,6 @@ __attribute__((target("avx512f,f16c"), always_inline)) static inline void nf4_ro
                                                                const float *levels, int64_t bs, int round_mode,
                                                                float *y, int64_t y_stride) {
     const __m512 table = _mm512_loadu_ps(levels);
-    const __m512i low_nibble = _mm512_set1_epi32(0xF);
     __m512 acc[2 * TOKENS_PER_PASS];
     for (int64_t t = 0; t < 2 * m; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t start = 0; start < k; start += bs) {
@@ -57,7 +58,7 @@ __attribute__((target("avx512f,f16c"), always_inline)) static inline void nf4_ro
         for (int64_t i = start; i < start + bs; i += 32) {
             __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i / 2)));
             __m512 even = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), block); /* high nibble first */
-            __m512 odd = _mm512_permutexvar_ps(_mm512_and_si512(bytes, low_nibble), block);
+            __m512 odd = _mm512_permutexvar_ps(bytes, block);
             for (int64_t t = 0; t < m; ++t) {
                 acc[2 * t] = _mm512_fmadd_ps(even, _mm512_loadu_ps(x + t * k + i), acc[2 * t]);
                 acc[2 * t + 1] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(x + t * k + i + 16), acc[2 * t + 1]);
@@ -95,7 +96,6 @@ __attribute__((target("avx512f,f16c"))) static void nf4_decode_blocks512(const u
                                                                          int64_t bs, int round_mode, int out_mode,
                                                                          void *out) {
     const __m512 table = _mm512_loadu_ps(levels);
-    const __m512i low_nibble = _mm512_set1_epi32(0xF);
     /* positions 0-15 and 16-31 of 32 codes: (high, low) nibbles of bytes 0-7, then of bytes 8-15 */
     const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
@@ -103,7 +103,7 @@ __attribute__((target("avx512f,f16c"))) static void nf4_decode_blocks512(const u
         __m512 block = block_values512(table, scales[b], round_mode, out_mode);
         for (int64_t i = b * bs; i < (b + 1) * bs; i += 32) {
             __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i / 2)));
-            __m512i high = _mm512_srli_epi32(bytes, 4), low = _mm512_and_si512(bytes, low_nibble);
+            __m512i high = _mm512_srli_epi32(bytes, 4), low = bytes;
             __m512 v0 = _mm512_permutexvar_ps(_mm512_permutex2var_epi32(high, first, low), block);
             __m512 v1 = _mm512_permutexvar_ps(_mm512_permutex2var_epi32(high, second, low), block);
             if (out_mode == KEEP_FP32) {
@@ -148,14 +148,13 @@ __attribute__((target("avx2,fma,f16c"))) static void nf4_decode_blocks256(const 
                                                                           int64_t bs, int round_mode, int out_mode,
                                                                           void *out) {
     const __m256 table_low = _mm256_loadu_ps(levels), table_high = _mm256_loadu_ps(levels + 8);
-    const __m256i low_nibble = _mm256_set1_epi32(0xF);
     for (int64_t b = 0; b < count; ++b) {
         __m256 scale = _mm256_set1_ps(scales[b]);
         __m256 low = round256(round256(_mm256_mul_ps(table_low, scale), round_mode), out_mode);
         __m256 high = round256(round256(_mm256_mul_ps(table_high, scale), round_mode), out_mode);
         for (int64_t i = b * bs; i < (b + 1) * bs; i += 16) {
             __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i / 2)));
-            __m256i high_nibbles = _mm256_srli_epi32(bytes, 4), low_nibbles = _mm256_and_si256(bytes, low_nibble);
+            __m256i high_nibbles = _mm256_srli_epi32(bytes, 4), low_nibbles = bytes;
             /* (h0 l0 h1 l1 | h4 l4 h5 l5) and (h2 l2 h3 l3 | h6 l6 h7 l7), then their halves in order */
             __m256i a = _mm256_unpacklo_epi32(high_nibbles, low_nibbles);
             __m256i c = _mm256_unpackhi_epi32(high_nibbles, low_nibbles);
@@ -188,7 +187,6 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void nf4_r
                                                                 const float *levels, int64_t bs, int round_mode,
                                                                 float *y, int64_t y_stride) {
     const __m256 table_low = _mm256_loadu_ps(levels), table_high = _mm256_loadu_ps(levels + 8);
-    const __m256i low_nibble = _mm256_set1_epi32(0xF);
     __m256 acc[2 * TOKENS_PER_PASS];
     for (int64_t t = 0; t < 2 * m; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t start = 0; start < k; start += bs) {
@@ -199,7 +197,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void nf4_r
             int64_t group = i & ~(int64_t)31, half = (i - group) / 2;
             __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i / 2)));
             __m256 even = lookup256(_mm256_srli_epi32(bytes, 4), low, high);
-            __m256 odd = lookup256(_mm256_and_si256(bytes, low_nibble), low, high);
+            __m256 odd = lookup256(bytes, low, high);
             for (int64_t t = 0; t < m; ++t) {
                 const float *xs = x + t * k + group + half;
                 acc[2 * t] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xs), acc[2 * t]);
