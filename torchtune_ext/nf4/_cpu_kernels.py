@@ -54,13 +54,17 @@ _layouts = WeakIdKeyDictionary()  # codes tensor -> Optional[_NF4Layout]
 
 
 class _Unavailable(RuntimeError):
-    pass
+    """Why the kernels cannot run; ``fixable``: by the user (a compiler), so worth a warning."""
+
+    def __init__(self, reason: str, fixable: bool = False):
+        super().__init__(reason)
+        self.fixable = fixable
 
 
 def _compiler_command(output: Path, openmp: bool) -> list:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        raise _Unavailable(f"no C compiler ({compiler!r} is not on PATH; set CC)")
+        raise _Unavailable(f"no C compiler ({compiler!r} is not on PATH)", fixable=True)
     flags = ["-O3", "-fPIC", "-shared", *(["-fopenmp"] if openmp else [])]
     return [compiler, *flags, str(_SOURCE), "-o", str(output)]
 
@@ -77,7 +81,7 @@ def _build(target: Path) -> None:
                 os.replace(built, target)
                 return
             errors.append(f"{' '.join(command)}: {result.stderr.strip()[-400:]}")
-    raise _Unavailable("the C compiler failed: " + " | ".join(errors))
+    raise _Unavailable("the C compiler failed: " + " | ".join(errors), fixable=True)
 
 
 def _load() -> ctypes.CDLL:
@@ -114,7 +118,16 @@ def _library() -> Optional[ctypes.CDLL]:
             _state["library"] = _load()
         except (_Unavailable, OSError, subprocess.SubprocessError) as error:
             _state["reason"] = str(error)
-            _log.info("CPU NF4 kernels unavailable (%s): NF4 weights decode through torch (slower)", error)
+            fixable = getattr(error, "fixable", True)  # OSError: an unwritable cache folder, a broken build
+            _log.log(
+                logging.WARNING if fixable else logging.INFO,
+                "CPU NF4 kernels unavailable (%s): NF4 decoding and generation on this CPU go through torch, several "
+                "times slower per generated token%s",
+                error,
+                f"; install a C compiler or set CC to one (or {ENV_SWITCH}=0 to use torch without this warning)"
+                if fixable
+                else "",
+            )
     return _state.get("library")
 
 

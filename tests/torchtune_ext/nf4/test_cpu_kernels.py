@@ -130,18 +130,24 @@ def test_fake_tensors_take_the_torch_path():
         assert linear_nf4(x, weight, torch.float32).shape == (1, 64)
 
 
-def test_unavailable_kernels_say_why(monkeypatch, tmp_path):
+def test_unavailable_kernels_say_why(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("TORCHTUNE_EXT_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
-    assert not cpu_kernels.cpu_kernels_available()
-    reason = cpu_kernels.cpu_kernels_unavailable_reason()
-    assert "no-such-compiler" in reason and "CC" in reason
+    with caplog.at_level("INFO", logger=cpu_kernels.__name__):
+        assert not cpu_kernels.cpu_kernels_available()
+    assert "no-such-compiler" in cpu_kernels.cpu_kernels_unavailable_reason()
+    (warning,) = caplog.records
+    assert warning.levelname == "WARNING" and "set CC" in warning.getMessage()
     assert not list(tmp_path.rglob("*.so"))
+    # turned off on purpose: said at INFO only
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("TORCHTUNE_EXT_NATIVE", "0")
-    assert not cpu_kernels.cpu_kernels_available()
+    caplog.clear()
+    with caplog.at_level("INFO", logger=cpu_kernels.__name__):
+        assert not cpu_kernels.cpu_kernels_available()
     assert cpu_kernels.cpu_kernels_unavailable_reason() == "TORCHTUNE_EXT_NATIVE=0"
+    assert [record.levelname for record in caplog.records] == ["INFO"]
 
 
 @pytest.mark.skipif(_level() == 0, reason="no CPU kernels on this machine")
