@@ -24,9 +24,14 @@ import torch
 import torch.nn.functional as F
 from _timing import best_seconds, machine
 
-import torchtune_ext.nf4._cpu_kernels as cpu_kernels
 from torchtune_ext.modules import cached_nf4_scales, linear_nf4
-from torchtune_ext.nf4 import cpu_kernels_available, cpu_kernels_unavailable_reason, dequantize_nf4, quantize_nf4
+from torchtune_ext.nf4 import (
+    cpu_kernels_available,
+    cpu_kernels_off,
+    cpu_kernels_unavailable_reason,
+    dequantize_nf4,
+    quantize_nf4,
+)
 
 SHAPES = {
     "135m q/o": (576, 576),
@@ -41,12 +46,8 @@ CPU = torch.device("cpu")
 
 def _kernels_off(fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
-        saved = cpu_kernels._state
-        cpu_kernels._state = {"reason": "off for the comparison"}
-        try:
+        with cpu_kernels_off():
             return fn()
-        finally:
-            cpu_kernels._state = saved
 
     return run
 
@@ -68,8 +69,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not cpu_kernels_available():
         raise SystemExit(f"the CPU kernels are unavailable here: {cpu_kernels_unavailable_reason()}")
-    level = {1: "AVX-512", 2: "AVX2"}[cpu_kernels._state["level"]]
-    print(f"# {machine(CPU)}, kernels: {level}, torch {torch.__version__}, {datetime.date.today()}")
+    print(f"# {machine(CPU)}, torch {torch.__version__}, {datetime.date.today()}")
     print(
         "| weight | shape | 1 token: kernel / torch path / bnb gemv_4bit (ms) | kernel vs torch | kernel vs bnb | "
         "4 tokens: kernel / torch path (ms) | decode to fp32: kernel / torch / torchao (ms) | decode vs torch |"

@@ -23,6 +23,7 @@ from torch._subclasses import FakeTensorMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import torchtune_ext.modules.low_precision as low_precision
+from torchtune_ext.nf4 import cpu_kernels_off
 
 # The switches of our NF4 code's CPU-only branches, and the values that turn those branches off: in the module that
 # defines linear_nf4 (slab-wise CPU matmuls), and in the one that defines the dequantize_nf4 it calls (chunked CPU
@@ -30,8 +31,6 @@ import torchtune_ext.modules.low_precision as low_precision
 _LINEAR_SWITCHES = {"_CPU_SLAB_NUMEL": 1 << 62, "_SMALL_BATCH_TOKENS": 0}
 _CODEC_SWITCHES = {"_CPU_CHUNK_NUMEL": 1 << 62}
 _CODEC_ALLOCATOR = "empty_with_huge_pages"
-# The native CPU kernels' state (in the module defining the nf4_decode that dequantize_nf4 calls): reported unavailable.
-_KERNEL_SWITCHES = {"_state": {"reason": "off while estimating an accelerator's step"}}
 # Per-(dtype, device) lookup-table caches: fake tables must not outlive an estimate, real ones must not enter it.
 _TABLE_CACHES = ("_QUAD_LUTS", "_CODE_LUTS")
 
@@ -62,8 +61,6 @@ def accelerator_code_path() -> Iterator[None]:
     switches = [(linear_module, name, value) for name, value in _LINEAR_SWITCHES.items()]
     switches += [(codec_module, name, value) for name, value in _CODEC_SWITCHES.items()]
     switches.append((codec_module, _CODEC_ALLOCATOR, _empty))
-    kernels_module = sys.modules[codec_module.nf4_decode.__module__]
-    switches += [(kernels_module, name, value) for name, value in _KERNEL_SWITCHES.items()]
     caches = [getattr(codec_module, name, None) for name in _TABLE_CACHES]
     missing = [f"{m.__name__}.{name}" for m, name, _ in switches if not hasattr(m, name)]
     missing += [f"{codec_module.__name__}.{name}" for name, c in zip(_TABLE_CACHES, caches) if not isinstance(c, dict)]
@@ -79,7 +76,8 @@ def accelerator_code_path() -> Iterator[None]:
             setattr(module, name, value)
         for cache in caches:
             cache.clear()
-        yield
+        with cpu_kernels_off():
+            yield
     finally:
         for module, name, value in saved:
             setattr(module, name, value)

@@ -47,10 +47,12 @@ def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     Returns:
         bool: True for oneDNN, False for ``torch.mm``.
     """
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    # compiled graphs and the memory estimate (fake tensors) model the step a GPU runs: torch.mm; compiling is asked
+    # first (dynamo folds it, and cannot trace is_fake)
+    if torch.compiler.is_compiling() or x.device.type != "cpu":
         return False
-    if is_fake(x) or is_fake(weight) or torch.compiler.is_compiling():
-        return False  # the memory estimate and compiled graphs model the step a GPU runs: torch.mm
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or is_fake(x) or is_fake(weight):
+        return False
     if x.dim() != 2 or weight.dim() != 2 or x.shape[0] < MIN_ROWS or x.shape[1] == 0 or weight.shape[0] == 0:
         return False
     return _onednn_available()

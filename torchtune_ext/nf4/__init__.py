@@ -26,6 +26,7 @@ from torchtune_ext.nf4._codec import (
 )
 from torchtune_ext.nf4._cpu_kernels import (
     cpu_kernels_available,
+    cpu_kernels_off,
     cpu_kernels_unavailable_reason,
     dense16_mv,
     dense16_mv_supports,
@@ -50,6 +51,7 @@ __all__ = [
     "check_float_dtype",
     "check_nf4_shape",
     "cpu_kernels_available",
+    "cpu_kernels_off",
     "cpu_kernels_unavailable_reason",
     "decode_nf4_",
     "decode_whole_nf4",

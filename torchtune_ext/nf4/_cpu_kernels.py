@@ -27,9 +27,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import filelock
 import torch
@@ -156,9 +157,26 @@ def _levels(dtype: torch.dtype, nf4: torch.Tensor) -> torch.Tensor:
     return table
 
 
+@contextmanager
+def cpu_kernels_off() -> Iterator[None]:
+    """Within: the kernels are reported unavailable, so NF4 decoding and products take the torch path (the memory
+    estimate, which models an accelerator's step; comparisons). Nests.
+    """
+    global _state
+    saved = _state
+    _state = {"reason": "turned off by cpu_kernels_off()"}
+    try:
+        yield
+    finally:
+        _state = saved
+
+
 def _plain_cpu(x: torch.Tensor) -> bool:
-    """CPU tensors that hold data (not fake, not traced by torch.compile: the kernel is opaque to both)."""
-    return x.device.type == "cpu" and not is_fake(x) and not torch.compiler.is_compiling()
+    """CPU tensors that hold data (not fake, not traced by torch.compile: the kernels are opaque to both), the
+    kernels available. Compiling is asked first: dynamo folds it, and traces nothing after it."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or not cpu_kernels_available():
+        return False
+    return not is_fake(x)
 
 
 @dataclass(frozen=True)
@@ -199,12 +217,10 @@ def nf4_mv_supports(x: torch.Tensor, weight: NF4Tensor, dtype: torch.dtype) -> b
     Returns:
         bool: whether the kernel applies.
     """
-    if x.device.type != "cpu" or not cpu_kernels_available():
+    if not _plain_cpu(x):
         return False
     layout = _nf4_layout(weight)
-    if layout is None or x.numel() > MAX_TOKENS * layout.in_dim or dtype not in (torch.float32, layout.dtype):
-        return False
-    return not is_fake(x) and not torch.compiler.is_compiling()
+    return layout is not None and x.numel() <= MAX_TOKENS * layout.in_dim and dtype in (torch.float32, layout.dtype)
 
 
 def nf4_mv(x: torch.Tensor, weight: NF4Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -253,10 +269,10 @@ def dense16_mv_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     Returns:
         bool: whether the kernel applies.
     """
-    if x.dim() != 2 or x.shape[0] > MAX_TOKENS or not _plain_cpu(x) or not _plain_cpu(weight):
+    if not (_plain_cpu(x) and _plain_cpu(weight)) or x.dim() != 2 or x.shape[0] > MAX_TOKENS:
         return False
     sixteen_bit = weight.dtype in (torch.bfloat16, torch.float16) and weight.dim() == 2
-    return sixteen_bit and weight.is_contiguous() and cpu_kernels_available()
+    return sixteen_bit and weight.is_contiguous()
 
 
 def dense16_mv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -305,7 +321,7 @@ def nf4_decode_supports(weight: NF4Tensor, packed: torch.Tensor, out: torch.Tens
     aligned = cols % 32 == 0 and block_size % 32 == 0 and cols % block_size == 0 and packed.shape[-1] * 2 == cols
     unit = packed.stride(-1) == 1 and out.stride(-1) == 1 and packed.dtype == torch.uint8
     dtypes = weight.dtype in _ROUND_MODES and out.dtype in _ROUND_MODES
-    return aligned and unit and dtypes and cpu_kernels_available()
+    return aligned and unit and dtypes
 
 
 def nf4_decode(weight: NF4Tensor, packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ import torchtune_ext.nf4._cpu_kernels as cpu_kernels
 from torchtune_ext.modules import frozen_linear, linear_nf4
 from torchtune_ext.nf4 import (
     cpu_kernels_available,
+    cpu_kernels_off,
     decode_nf4_,
     dequantize_nf4,
     dequantize_nf4_scalers,
@@ -45,13 +46,12 @@ def kernel_path(request, monkeypatch):
         pytest.skip("no AVX-512 kernels on this machine")
     if request.param == "avx2" and level == 0:
         pytest.skip("no CPU kernels on this machine")
-    state = dict(cpu_kernels._state)
-    if request.param == "avx2":
-        state["level"] = 2
-    elif request.param == "torch":
-        state = {"reason": "turned off by the test"}
-    monkeypatch.setattr(cpu_kernels, "_state", state)
-    return request.param
+    if request.param == "torch":
+        with cpu_kernels_off():
+            yield request.param
+        return
+    monkeypatch.setattr(cpu_kernels, "_state", {**cpu_kernels._state, "level": 2 if request.param == "avx2" else 1})
+    yield request.param
 
 
 def _weight(shape, dtype, block_size=64, seed=0):
@@ -164,3 +164,17 @@ def test_processes_asking_at_once_build_the_kernels_once(tmp_path):
     outputs = [process.communicate(timeout=300)[0].strip() for process in processes]
     assert outputs == ["True None"] * 3
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
+
+
+def test_torch_compile_traces_the_torch_path_in_one_graph():
+    """Compiled decoding cannot call the kernels (opaque to dynamo): the checks must send it to the torch path before
+    anything dynamo cannot trace (``fullgraph=True`` fails on a graph break). The training step's compiled graphs
+    (the autograd.Function) are checked in ``tests/torchtune_ext/memory/test_compiled.py``."""
+    torch._dynamo.reset()
+    weight = _weight((64, 256), torch.bfloat16)
+    x = torch.randn(1, 256)
+    compiled = torch.compile(lambda x: linear_nf4(x, weight, torch.float32), backend="eager", fullgraph=True)
+    with torch.no_grad():
+        out = compiled(x)
+    expected = F.linear(x.double(), weight.get_original_weight().double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
