@@ -546,16 +546,9 @@ def decode_whole_nf4(weight: NF4Tensor, scalers: torch.Tensor, dtype: Optional[t
     Returns:
         torch.Tensor: the dense weight, ``weight.shape``, in ``dtype``.
     """
-    dtype = dtype or weight.dtype
-    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
-    codes = weight.quantized_data
-    if nf4_decode_supports(weight, codes, out.view(-1)):
-        nf4_decode(weight, codes, scalers.view(-1).float(), out.view(-1))
-        return out
-    lut = _quad_lut(weight.nf4)  # the CPU table: one row per packed byte
-    decoded = torch.index_select(lut, 0, codes.to(torch.int32)).view(weight.dtype)
-    decoded.view(-1, weight.block_size).mul_(scalers)
-    return decoded.view(weight.shape).to(dtype)
+    out = torch.empty(weight.shape, dtype=dtype or weight.dtype, device=weight.device)
+    decode_nf4_(weight, weight.quantized_data.view(torch.uint16), scalers.view(-1), out)
+    return out
 
 
 def decode_nf4_(weight: NF4Tensor, packed: torch.Tensor, scalers: torch.Tensor, out: torch.Tensor) -> None:

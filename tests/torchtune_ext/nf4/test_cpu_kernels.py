@@ -9,6 +9,7 @@ AVX-512, AVX2 (forced on an AVX-512 CPU) and torch (the kernels off).
 """
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -130,7 +131,9 @@ def test_fake_tensors_take_the_torch_path():
         assert linear_nf4(x, weight, torch.float32).shape == (1, 64)
 
 
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the kernels are for x86-64")
 def test_unavailable_kernels_say_why(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv("TORCHTUNE_EXT_NATIVE", raising=False)
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("TORCHTUNE_EXT_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
