@@ -78,9 +78,10 @@ def _small_batch_rows(weight: NF4Tensor, tokens: int) -> Optional[int]:
 
 @contextmanager
 def cached_nf4_scales() -> Iterator[None]:
-    """Within: CPU decoding (no more than 16 tokens through a weight decoded in one slab, e.g. generating) dequantizes
-    each NF4 weight's block scales once and keeps them until the context ends: 4 bytes per block of 64 weights in
-    fp32 (an eighth of the NF4 weights' own bytes) for fewer torch calls per decoded token (BENCHMARKS.md, "Peers").
+    """Within: CPU decoding (no more than 16 tokens through a weight decoded in one slab, or the NF4 kernel's few
+    tokens, e.g. generating) dequantizes each NF4 weight's block scales once and keeps them until the context ends, in
+    the weight's dtype and/or fp32 (the kernel's): at most 6 bytes per block of 64 weights (under a fifth of the NF4
+    weights' own bytes) for fewer torch calls per decoded token (BENCHMARKS.md, "Peers").
     Nested contexts share the outermost one's scales.
     """
     global _SCALES_CACHE

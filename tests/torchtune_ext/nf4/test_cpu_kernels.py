@@ -67,10 +67,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("block_size", [32, 64, 128])
 @pytest.mark.parametrize("weight_dtype", DTYPES)
 def test_decoding_is_bit_identical_to_torchao(kernel_path, weight_dtype, block_size):
-    for shape in [(96, 256), (64, 320), (40, 48)]:  # whole 32-groups; 48 wide: torch's decoding on every path
+    for shape in [(96, 256), (64, 320), (40, 48)]:  # whole weights decode as one row of blocks, whatever their width
         weight = _weight(shape, weight_dtype, block_size)
         reference = weight.get_original_weight()
         for out_dtype in DTYPES:
+            whole = torch.empty(weight.numel(), dtype=out_dtype)
+            uses_kernel = cpu_kernels.nf4_decode_supports(weight, weight.quantized_data, whole)
+            assert uses_kernel == (kernel_path != "torch")
             ours = dequantize_nf4(weight, out_dtype)
             assert ours.dtype == out_dtype
             assert torch.equal(_bits(ours), _bits(reference.to(out_dtype))), (shape, out_dtype)
@@ -84,6 +87,8 @@ def test_decoding_column_slabs_is_bit_identical_to_torchao(kernel_path, weight_d
     packed = weight.quantized_data.view(torch.uint16).view(48, 128)
     scalers = dequantize_nf4_scalers(weight).view(48, 8)
     piece = torch.empty(48, 192, dtype=torch.float32)
+    uses_kernel = cpu_kernels.nf4_decode_supports(weight, packed[:, 32:80].view(torch.uint8), piece)
+    assert uses_kernel == (kernel_path != "torch")
     decode_nf4_(weight, packed[:, 32:80], scalers[:, 2:5], piece)
     assert torch.equal(piece, reference[:, 128:320])
 
@@ -98,13 +103,13 @@ def test_few_token_products_match_a_float64_reference(kernel_path, weight_dtype,
     reference = F.linear(x.double(), weight.get_original_weight().double())
     assert ours.shape == (1, tokens, 160) and ours.dtype == torch.float32
     torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-5)
-    if kernel_path != "torch" and tokens <= cpu_kernels.MAX_TOKENS:
-        assert nf4_mv_supports(x, weight, torch.float32)
+    assert nf4_mv_supports(x, weight, torch.float32) == (kernel_path != "torch" and tokens <= cpu_kernels.MAX_TOKENS)
 
 
 def test_bf16_compute_rounds_like_torchs_bf16_product(kernel_path):
     weight = _weight((256, 512), torch.bfloat16)
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    assert nf4_mv_supports(x, weight, torch.bfloat16) == (kernel_path != "torch")
     with torch.no_grad():
         ours = linear_nf4(x, weight, torch.bfloat16)
     reference = F.linear(x, weight.get_original_weight())  # torch's bf16 product: fp32 sums, one rounding
@@ -117,6 +122,7 @@ def test_bf16_compute_rounds_like_torchs_bf16_product(kernel_path):
 def test_16_bit_weight_products_match_a_float64_reference(kernel_path, storage, in_dim):
     weight = (torch.randn(1000, in_dim, generator=torch.Generator().manual_seed(3)) * 0.05).to(storage)
     x = torch.randn(3, in_dim, generator=torch.Generator().manual_seed(4))
+    assert cpu_kernels.dense16_mv_supports(x, weight) == (kernel_path != "torch")
     ours = frozen_linear(x, weight, torch.float32)
     reference = x.double() @ weight.double().t()
     torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-5)
