@@ -19,11 +19,12 @@ The layout depends only on the weight and FSDP's rows per chunk, so each rank de
 :func:`nf4_new_zeros` (the ops ``fully_shard`` applies to the whole weight) are registered for every ``NF4Tensor``
 through :func:`torchtune_ext._compat.register_nf4_sharding_ops` when this module is imported, and return None
 (torchao's own split) where the rows and scale groups split evenly. Plain ``fully_shard`` and torchtune's
-``training.shard_model`` therefore shard any NF4 weight over any world size; the caller prepares nothing.
+``training.shard_model`` therefore shard any NF4 weight over any world size, and torchtune's
+``training.load_from_full_model_state_dict`` loads it; the caller prepares nothing.
 
 Forked on the shards: new_zeros, new_empty, slice and copy_ (the ops FSDP2 applies to an unevenly sharded
-parameter), and the two FSDP2 hooks. Every other op (and torchao's torch-function handlers: narrow, to, ...) is
-torchao's, its NF4 result re-wrapped in the subclass.
+parameter, and torchtune's loader to each rank's chunk), and the two FSDP2 hooks. Every other op (and torchao's
+torch-function handlers: narrow, to, ...) is torchao's, its NF4 result re-wrapped in the subclass.
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ def nf4_groups_per_rank(rows: int, groups: int, world_size: int) -> int:
     Returns:
         int: ``ceil(groups / n)``.
     """
-    chunk_rows = -(-rows // world_size)
+    return _groups_per_chunk(rows, groups, -(-rows // world_size))
+
+
+def _groups_per_chunk(rows: int, groups: int, chunk_rows: int) -> int:
+    """The scale groups of each (padded) chunk when ``rows`` are cut into chunks of ``chunk_rows``."""
     return -(-groups // -(-rows // chunk_rows))
 
 
@@ -95,7 +100,7 @@ def nf4_uneven_groups(weight: NF4Tensor, shard_rows: int) -> Optional[int]:
     rows, groups = weight.shape[0], weight.quantization_factor.numel()
     chunks = -(-rows // shard_rows)
     even = rows % shard_rows == 0 and groups % chunks == 0 and weight.numel() % weight.block_size == 0
-    return None if even and shard_rows > chunks else -(-groups // chunks)
+    return None if even and shard_rows > chunks else _groups_per_chunk(rows, groups, shard_rows)
 
 
 def _inner_sizes(weight: NF4Tensor, groups: int) -> Dict[str, int]:
@@ -147,10 +152,14 @@ class UnevenNF4Tensor(NF4Tensor):
         if out is not None:
             return None  # the views in `out` share the gathered tensors' storage, which FSDP2 has refilled
         full_shape, scaler_mean, nf4 = metadata
-        groups = nf4_n_blocks(full_shape, self.block_size) // self.scaler_block_size
-        sizes = _inner_sizes(self, groups)
+        sizes = _inner_sizes(self, _whole_groups(self))
         inner = {name: gathered[: sizes[name]] for name, gathered in zip(NF4_SHARDED_TENSORS, all_gather_outputs)}
         return nf4_from_inner(self, full_shape, scaler_mean=scaler_mean, nf4=nf4, **inner), tuple(all_gather_outputs)
+
+
+def _whole_groups(shard: UnevenNF4Tensor) -> int:
+    """The scale groups of the whole weight ``shard`` is a shard of."""
+    return nf4_n_blocks(shard.full_shape, shard.block_size) // shard.scaler_block_size
 
 
 def _rewrap(out: Any, args: Sequence[Any]) -> Any:
@@ -257,8 +266,10 @@ def _new_shard(
 
 
 def _new_zeros(weight: UnevenNF4Tensor, size: Sequence[int], **kwargs: Any) -> UnevenNF4Tensor:
-    """A padded shard of zeros (FSDP2 pads each rank's shard into one)."""
-    groups = weight.groups_per_rank
+    """A padded shard of zeros: FSDP2 pads a shard shorter than its first chunk into one of ``size`` (that chunk's
+    rows), whose scale groups follow from the whole weight's shape, not from the shard's own (a shard made from its
+    own chunk's rows, as torchtune's ``load_from_full_model_state_dict`` makes the last rank's, may hold fewer)."""
+    groups = _groups_per_chunk(weight.full_shape[0], _whole_groups(weight), size[0])
     return _new_shard(weight, weight.full_shape, groups, size, torch.zeros, groups, **kwargs)
 
 
@@ -278,9 +289,16 @@ def _slice(weight: UnevenNF4Tensor, dim: int = 0, start: Optional[int] = 0, end:
 
 
 def _copy(target: UnevenNF4Tensor, source: torch.Tensor, non_blocking: bool = False) -> UnevenNF4Tensor:
-    """Copies a shard's scale groups into the head of ``target``'s (a padded shard)."""
-    if not isinstance(source, UnevenNF4Tensor) or source.scaler_block_size != target.scaler_block_size:
+    """Copies a shard's scale groups into the head of ``target``'s (a padded shard), first growing ``target``'s
+    padding where the source holds more groups (see :func:`_grow`)."""
+    if not (
+        isinstance(source, UnevenNF4Tensor)
+        and source.full_shape == target.full_shape
+        and source.scaler_block_size == target.scaler_block_size
+    ):
         raise NotImplementedError("aten.copy_ into an UnevenNF4Tensor from anything but a shard of the same weight")
+    if source.quantization_factor.numel() > target.quantization_factor.numel():
+        _grow(target, source.quantization_factor.numel())
     for name in NF4_SHARDED_TENSORS:
         value = getattr(source, name)
         getattr(target, name)[: value.numel()].copy_(value)
@@ -288,6 +306,28 @@ def _copy(target: UnevenNF4Tensor, source: torch.Tensor, non_blocking: bool = Fa
         if getattr(target, name) is not getattr(source, name):
             setattr(target, name, getattr(source, name))
     return target
+
+
+def _grow(shard: UnevenNF4Tensor, groups: int) -> None:
+    """Grows ``shard``'s inner tensors in place to ``groups`` scale groups, zeros at the end.
+
+    torchtune's ``load_from_full_model_state_dict`` makes each rank's shard with ``new_zeros`` of the whole weight
+    at its own chunk's rows, then copies the chunk into it. :func:`nf4_new_zeros` reads rows as a first chunk's (all
+    FSDP2 itself passes); the last chunk is shorter, and chunks of its rows would be more, each with fewer groups
+    than it may hold (Qwen2.5-0.5B's 896 rows on 3 ranks: 298 rows, 14 groups; it holds 18). In place, because the
+    copy goes into a row slice that shares the shard's inner tensors; FSDP2's post-load hook then pads the shard to
+    the first chunk's rows (:func:`_new_zeros`), which sets its final size.
+
+    Raises:
+        NotImplementedError: if an inner tensor is a view (growing it would move its base's storage).
+    """
+    tensors = [getattr(shard, name) for name in NF4_SHARDED_TENSORS]
+    if any(t._base is not None or t.untyped_storage().nbytes() != t.numel() * t.element_size() for t in tensors):
+        raise NotImplementedError("aten.copy_ of a shard with more scale groups into a view of another shard")
+    for name, length in _inner_sizes(shard, groups).items():
+        tensor = getattr(shard, name)
+        held = tensor.numel()
+        tensor.resize_(length)[held:].zero_()
 
 
 _HANDLERS: Dict[Any, Callable[..., Any]] = {

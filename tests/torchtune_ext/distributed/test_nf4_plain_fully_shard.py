@@ -1,6 +1,8 @@
 """A QLoRA model whose NF4 weights do not split evenly, sharded by plain ``fully_shard`` and by torchtune's own
 ``training.shard_model`` (nothing prepared), on 2, 3 and 4 real gloo ranks: the full state dict (NF4 bit for bit)
-and three AdamW steps equal a single process and the project's ``shard_model``.
+and three SGD steps equal a single process and the project's ``shard_model``. So does a torchtune user's own
+distributed recipe: sharded on the meta device, loaded by torchtune's ``load_from_full_model_state_dict`` (which
+quantizes the dense weights again), against one process loaded from the same dense state dict.
 
 The model is a tiny Qwen3 (head_dim 48, MLP 97) whose NF4 weights are 192x256 (the 256 -> 192 q/k/v projections,
 8 scale groups), 256x192 (8), 97x256 (4) and 256x97 (4): at 3 ranks none splits evenly (torchao refused them all:
@@ -55,6 +57,16 @@ def _torchtune(model: nn.Module) -> None:
 
 def _ours(model: nn.Module) -> None:
     shard_model(model, dtype=torch.float32)
+
+
+def _load_as_torchtune(model: nn.Module, full_state_dict: Dict[str, torch.Tensor]) -> None:
+    """What torchtune's ``lora_finetune_distributed`` does after sharding on the meta device: its loader, then the
+    RoPE buffers, which no state dict holds."""
+    training.load_from_full_model_state_dict(model, dict(full_state_dict), torch.device("cpu"))
+    with torch.device("cpu"):
+        for module in model.modules():
+            if hasattr(module, "rope_init"):
+                module.rope_init()
 
 
 def _batch(world_size: int, step: int):
@@ -117,6 +129,10 @@ def _adapters(model: nn.Module, rank: int) -> Dict[str, torch.Tensor]:
 
 def _worker(rank: int, world_size: int) -> None:
     reference = _build("cpu")
+    dense = reference.state_dict()  # NF4 weights dequantized
+    requantized = _build("cpu")
+    requantized.load_state_dict(dense)
+    references = {"reference": reference, "requantized": requantized}
     sharded: Dict[str, nn.Module] = {}
     shard: Dict[str, Callable[[nn.Module], None]] = {"ours": _ours, "plain": _plain, "torchtune": _torchtune}
     for what, apply in shard.items():
@@ -126,27 +142,32 @@ def _worker(rank: int, world_size: int) -> None:
         if what == "torchtune":
             materialize_(model, "cpu", seed=0)
         sharded[what] = model
+    sharded["torchtune_loader"] = _build("meta")
+    _torchtune(sharded["torchtune_loader"])
+    _load_as_torchtune(sharded["torchtune_loader"], dense)
+    reference_of = {what: "requantized" if what == "torchtune_loader" else "reference" for what in sharded}
     locals_ = {n: p._local_tensor for n, p in sharded["plain"].named_parameters() if isinstance(p, DTensor)}
     uneven = {n for n, local in locals_.items() if isinstance(local, UnevenNF4Tensor)}
     even = {n for n, local in locals_.items() if type(local) is NF4Tensor}
     assert uneven and (even if world_size != 3 else not even), (sorted(uneven), sorted(even))
     for what, model in sharded.items():
-        _check_state(model, reference, rank, what)
-    expected_losses = _train(reference, world_size, None)
-    expected = reference.state_dict()
-    moved = [value.abs().max().item() for key, value in expected.items() if "lora_b" in key]  # zero at the start
-    assert len(moved) == 7 * ARCH["num_layers"] and min(moved) > 1e-3, moved
+        _check_state(model, references[reference_of[what]], rank, what)
+    expected_losses = {name: _train(model, world_size, None) for name, model in references.items()}
+    expected = {name: model.state_dict() for name, model in references.items()}
+    moved = [value.abs().max().item() for key, value in expected["reference"].items() if "lora_b" in key]
+    assert len(moved) == 7 * ARCH["num_layers"] and min(moved) > 1e-3, moved  # zero at the start
     for what, model in sharded.items():
         losses = _train(model, world_size, rank, summed=what == "ours")
-        torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=0, msg=f"{what}: {losses}")
+        want = reference_of[what]
+        torch.testing.assert_close(losses, expected_losses[want], rtol=1e-5, atol=0, msg=f"{what}: {losses}")
         adapters = _adapters(model, rank)
         if rank == 0:
             assert adapters and all("lora_" in key for key in adapters), what
             for key, value in adapters.items():
-                _close(value, expected[key], f"{what} {key}")
+                _close(value, expected[want][key], f"{what} {key}")
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_plain_fully_shard_and_torchtune_shard_model_equal_one_process_and_ours(world_size):
+def test_plain_fully_shard_and_torchtunes_shard_model_and_loader_equal_one_process_and_ours(world_size):
     run_distributed(_worker, world_size)

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torchtune import training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from torchtune_ext import models
@@ -61,6 +62,21 @@ def _shard_alone(weight: NF4Tensor, world_size: int, rank: int) -> NF4Tensor:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         fully_shard(module)
+    finally:
+        dist.destroy_process_group()
+    return module.weight._local_tensor
+
+
+def _loaded_by_torchtune_alone(full: torch.Tensor, world_size: int, rank: int) -> NF4Tensor:
+    """``full`` loaded by torchtune's ``training.load_from_full_model_state_dict`` into a module of its own, whose NF4
+    weight on the meta device plain ``fully_shard`` sharded, on ``rank`` of a fake group: the loader quantizes,
+    chunks and copies each rank's rows itself, then FSDP2's post-load hook pads the shard."""
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(quantize_nf4(full.to("meta")), requires_grad=False)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        fully_shard(module)
+        training.load_from_full_model_state_dict(module, {"weight": full}, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
     return module.weight._local_tensor
@@ -115,6 +131,33 @@ def test_uneven_shards_gather_to_the_whole_quantization_bit_for_bit(shape, world
     for name in (*SHARDED_INNER, "scaler_mean"):
         assert torch.equal(getattr(gathered, name), getattr(whole, name)), name
     assert torch.equal(dequantize_nf4(gathered), dequantize_nf4(whole))
+
+
+@pytest.mark.parametrize(
+    "shape, world_size, grows",
+    [
+        ((896, 896), 3, True),  # Qwen2.5-0.5B's q/o: 56 groups, 19 + 19 + 18; 298 rows are 4 chunks' rows, 14 each
+        ((97, 896), 2, True),  # 14 groups, 7 + 7; the last chunk's 48 rows are 3 chunks' rows, 5 groups each
+        ((192, 256), 3, False),  # 8 groups, 3 + 3 + 2, in chunks of equal rows
+        ((97, 256), 3, False),  # the last rank holds padding only
+    ],
+)
+def test_torchtunes_loader_gives_each_rank_the_shard_fully_shard_makes(shape, world_size, grows):
+    """A torchtune user's distributed recipe shards on the meta device and loads with torchtune's own
+    ``load_from_full_model_state_dict``, which makes each rank's shard from that rank's chunk rows: every rank gets
+    the inner tensors plain ``fully_shard`` of the whole NF4 weight gives it, bit for bit (one all-gather size). Where
+    ``grows``, the last chunk holds more scale groups than a shard of its rows is made with (the copy grows it)."""
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    whole = quantize_nf4(full)
+    last = torch.chunk(whole, world_size)[-1]
+    made = whole.new_zeros(last.shape).quantization_factor.numel()
+    assert (made < last.quantization_factor.numel()) == grows
+    for rank in range(world_size):
+        loaded = _loaded_by_torchtune_alone(full, world_size, rank)
+        expected = _shard_alone(whole, world_size, rank)
+        assert type(loaded) is type(expected) and loaded.shape == expected.shape, rank
+        for name in (*SHARDED_INNER, "scaler_mean"):
+            assert torch.equal(getattr(loaded, name), getattr(expected, name)), (rank, name)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
