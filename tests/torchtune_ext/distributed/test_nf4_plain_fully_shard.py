@@ -2,7 +2,8 @@
 ``training.shard_model`` (nothing prepared), on 2, 3 and 4 real gloo ranks: the full state dict (NF4 bit for bit)
 and three SGD steps equal a single process and the project's ``shard_model``. So does a torchtune user's own
 distributed recipe: sharded on the meta device, loaded by torchtune's ``load_from_full_model_state_dict`` (which
-quantizes the dense weights again), against one process loaded from the same dense state dict.
+quantizes the dense weights again) and saved by its ``gather_cpu_state_dict``, against one process loaded from the
+same dense state dict.
 
 The model is a tiny Qwen3 (head_dim 48, MLP 97) whose NF4 weights are 192x256 (the 256 -> 192 q/k/v projections,
 8 scale groups), 256x192 (8), 97x256 (4) and 256x97 (4): at 3 ranks none splits evenly (torchao refused them all:
@@ -119,6 +120,16 @@ def _check_state(model: nn.Module, reference: nn.Module, rank: int, what: str) -
             assert torch.equal(getattr(nf4[key], name), getattr(weight, name)), (what, key, name)
 
 
+def _check_torchtunes_gather(model: nn.Module, reference: nn.Module, rank: int) -> None:
+    """torchtune's ``training.gather_cpu_state_dict`` (its recipe's save) gives the single process's state dict."""
+    gathered = training.gather_cpu_state_dict(model, is_rank_zero=rank == 0)
+    if rank == 0:
+        expected = reference.state_dict()  # NF4 weights dequantized
+        assert gathered.keys() == expected.keys()
+        for key, value in gathered.items():
+            assert torch.equal(value, expected[key]), key
+
+
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6, msg=lambda message: f"{what}: {message}")
 
@@ -152,6 +163,7 @@ def _worker(rank: int, world_size: int) -> None:
     assert uneven and (even if world_size != 3 else not even), (sorted(uneven), sorted(even))
     for what, model in sharded.items():
         _check_state(model, references[reference_of[what]], rank, what)
+    _check_torchtunes_gather(sharded["torchtune_loader"], requantized, rank)
     expected_losses = {name: _train(model, world_size, None) for name, model in references.items()}
     expected = {name: model.state_dict() for name, model in references.items()}
     moved = [value.abs().max().item() for key, value in expected["reference"].items() if "lora_b" in key]
