@@ -21,7 +21,7 @@ from torchtune.modules.peft import AdapterModule
 
 from torchtune_ext.modules._cpu_gemm import linear, mm_t
 from torchtune_ext.modules.low_precision import _quantize_incoming_weight, linear_nf4
-from torchtune_ext.nf4 import check_float_dtype, check_nf4_shape, dequantize_nf4, quantize_nf4
+from torchtune_ext.nf4 import check_float_dtype, check_nf4_shape, dequantize_nf4, dequantize_shard_rows, quantize_nf4
 
 
 @torch.no_grad()
@@ -247,8 +247,9 @@ class DoRALinear(LoRALinear):
     @torch.no_grad()
     def initialize_dora_magnitude(self) -> None:
         """Sets ``magnitude`` to the row norms of ``W0 + scaling * B A``; on an FSDP2-sharded layer each rank
-        computes its own rows from its shard (the base, ``lora_b`` and ``magnitude`` are sharded alike on dim 0;
-        ``lora_a``, sharded on its rank dim, is gathered).
+        computes its own rows (the base, ``lora_b`` and ``magnitude`` are sharded alike on dim 0; ``lora_a``, sharded
+        on its rank dim, is gathered, and so is an NF4 base sharded unevenly, whose shard holds whole scale groups,
+        not its rows: a collective, called on every rank).
 
         Raises:
             RuntimeError: if the base or adapter params are still on the meta device.
@@ -259,8 +260,7 @@ class DoRALinear(LoRALinear):
             self.magnitude.copy_(self._merged_weight_norm(self.magnitude.dtype))
             return
         dtype = self.magnitude.dtype
-        weight = self.weight.to_local()
-        base = dequantize_nf4(weight, dtype) if self._quantize_base else weight.to(dtype)
+        base = dequantize_shard_rows(self.weight, dtype) if self._quantize_base else self.weight.to_local().to(dtype)
         lora_a = self.lora_a.weight.full_tensor().to(dtype)
         lora_b = self.lora_b.weight.to_local().to(dtype)
         self.magnitude.to_local().copy_(torch.linalg.norm(base + self.scaling * (lora_b @ lora_a), dim=1))

@@ -35,6 +35,7 @@ from torchtune_ext.nf4._cpu_kernels import (
 )
 from torchtune_ext.nf4._uneven import (
     UnevenNF4Tensor,
+    dequantize_shard_rows,
     nf4_groups_per_rank,
     nf4_shard_groups,
     nf4_uneven_groups,
@@ -57,6 +58,7 @@ __all__ = [
     "decode_whole_nf4",
     "dequantize_nf4",
     "dequantize_nf4_scalers",
+    "dequantize_shard_rows",
     "dense16_mv",
     "dense16_mv_supports",
     "nf4_even_world_sizes",

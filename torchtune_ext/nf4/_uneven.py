@@ -33,12 +33,15 @@ import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from torchtune_ext._compat import NF4Tensor, register_nf4_sharding_ops
 from torchtune_ext.nf4._codec import (
     _NF4_LEVELS,
     NF4_SHARDED_TENSORS,
     _tensor_meta,
+    dequantize_nf4,
     nf4_from_inner,
     nf4_n_blocks,
     nf4_scaler_mean,
@@ -365,6 +368,35 @@ def quantize_nf4_shard(full: torch.Tensor, shard: UnevenNF4Tensor, rank: int) ->
             value = getattr(quantized, name)
             getattr(padded, name)[: value.numel()].copy_(value)
     return padded
+
+
+def dequantize_shard_rows(weight: DTensor, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's rows of an FSDP2-sharded NF4 weight, dequantized to ``dtype``.
+
+    A shard in torchao's even layout holds its rows. An :class:`UnevenNF4Tensor` holds whole scale groups, which
+    need not line up with its rows: the whole weight is all-gathered packed (through the shard's FSDP2 hooks, a
+    collective: every rank of the mesh must call this) and this rank's rows cut from it, one dequantized weight held
+    for the moment.
+
+    Args:
+        weight (DTensor): the weight, sharded on dim 0 over a 1-D mesh, its local tensor NF4.
+        dtype (torch.dtype): the output dtype.
+
+    Returns:
+        torch.Tensor: ``weight.to_local().shape`` in ``dtype``.
+    """
+    local = weight.to_local()
+    if not isinstance(local, UnevenNF4Tensor):
+        return dequantize_nf4(local, dtype)
+    group = weight.device_mesh.get_group()
+    world_size = dist.get_world_size(group)
+    inputs, metadata = local.fsdp_pre_all_gather(weight.device_mesh)
+    outputs = tuple(part.new_empty(part.numel() * world_size) for part in inputs)
+    for part, out in zip(inputs, outputs):
+        dist.all_gather_into_tensor(out, part.contiguous(), group=group)
+    whole, _ = local.fsdp_post_all_gather(outputs, metadata, local.dtype)
+    start = dist.get_rank(group) * -(-local.full_shape[0] // world_size)  # FSDP2's chunks of ceil(rows / n) rows
+    return dequantize_nf4(whole, dtype)[start : start + local.shape[0]]
 
 
 register_nf4_sharding_ops(split=nf4_split, new_zeros=nf4_new_zeros)

@@ -183,3 +183,36 @@ def _worker(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_plain_fully_shard_and_torchtunes_shard_model_and_loader_equal_one_process_and_ours(world_size):
     run_distributed(_worker, world_size)
+
+
+def _dora_worker(rank: int, world_size: int) -> None:
+    def build(device: str) -> nn.Module:
+        return models.qlora_qwen3(["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
+                                  use_dora=True, dtype=torch.float32, device=device, seed=0, **ARCH)  # fmt: skip
+
+    reference = build("cpu")
+    expected = {key: value for key, value in reference.state_dict().items() if "magnitude" in key}
+    tokens, labels = _batch(world_size, 0)
+    expected_loss = _token_losses(reference, tokens, labels).mean()
+    for what, apply in {"ours": _ours, "plain": _plain}.items():
+        model = build("meta")
+        apply(model)
+        materialize_(model, "cpu", seed=0)  # the magnitudes computed from the sharded bases
+        rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+        loss = _token_losses(model, tokens[rows], labels[rows]).mean().detach()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        _close(loss, expected_loss, f"{what} loss")
+        adapters = _adapters(model, rank)
+        if rank == 0:
+            assert len(expected) == 7 * ARCH["num_layers"] and expected.keys() <= adapters.keys(), what
+            for key, value in expected.items():
+                _close(adapters[key], value, f"{what} {key}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dora_magnitudes_from_unevenly_sharded_nf4_equal_one_process(world_size):
+    """DoRA's magnitudes are the row norms of each rank's base rows, which an unevenly sharded NF4 weight does not
+    hold (it holds whole scale groups): they are gathered first. On 2 ranks the 97-row MLP weights are uneven, on 3
+    all of them."""
+    run_distributed(_dora_worker, world_size)
