@@ -133,6 +133,7 @@ def test_uneven_shards_gather_to_the_whole_quantization_bit_for_bit(shape, world
     assert torch.equal(dequantize_nf4(gathered), dequantize_nf4(whole))
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize(
     "shape, world_size, grows",
     [
