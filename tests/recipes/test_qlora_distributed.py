@@ -269,6 +269,10 @@ def _bad_input_worker(rank: int, world_size: int, base: str, tmp: str) -> None:
         "fsdp_cpu_offload": (["fsdp_cpu_offload=True"], "needs an accelerator"),
         "global_batch": (["global_batch_size=3"], "cannot be split evenly over 2 ranks"),
         "too_few_samples": (["dataset.num_samples=5"], "fewer than one batch per rank"),
+        "too_few_validation_samples": (
+            ["dataset_val.num_samples=1", "run_val_every_n_steps=1"],
+            "dataset_val has 1 samples, fewer than one per rank",
+        ),
         "ids_out_of_range": (
             [f"vocab_pruning.kept_ids={tmp / 'out_of_range.json'}", "vocab_pruning.enabled=True"],
             "outside the vocabulary",
@@ -287,6 +291,11 @@ def _bad_input_worker(rank: int, world_size: int, base: str, tmp: str) -> None:
             recipe.setup(cfg)
         assert not out.exists(), f"{name}: {sorted(p.name for p in out.iterdir())} written before the error"
         dist.barrier()  # the group is still usable: no rank is stuck in a collective
+    # the same validation set is no error where validation does not run
+    cfg = _recipe_cfg(tmp / "no_validation", base, ["dataset_val.num_samples=1", "run_val_every_n_steps=null"])
+    recipe = QLoRAFinetuneRecipeDistributed(cfg)
+    recipe.setup(cfg)
+    recipe.cleanup()
 
 
 def _fp16_overflow_worker(rank: int) -> None:

@@ -440,6 +440,11 @@ ONE_LINE_CASES = [
     ),
     pytest.param(["device=" + ABSENT_DEVICE], [f"device='{ABSENT_DEVICE}' is not available"], id="device_not_there"),
     pytest.param(
+        ["enable_activation_offloading=True"],
+        ["enable_activation_offloading=True needs a CUDA device"],
+        id="activation_offloading_off_cuda",
+    ),
+    pytest.param(
         [ALPACA, "dataset.source=json", "dataset.data_files={question_answer}"],
         ["dataset: the data's columns are ['answer', 'question'], but torchtune.datasets.alpaca_dataset reads"],
         id="columns_that_do_not_match",

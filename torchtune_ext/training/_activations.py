@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torchtune import training
 
+from torchtune_ext.config import bad_value
+
 
 def check_activation_offloading(enabled: bool, device: torch.device) -> None:
     """
@@ -28,13 +30,17 @@ def check_activation_offloading(enabled: bool, device: torch.device) -> None:
         device (torch.device): the training device.
 
     Raises:
-        ValueError: if offloading is requested on a device that is not CUDA.
+        ConfigError: if offloading is requested on a device that is not CUDA (the entry points print its line and
+            exit 2).
     """
     if enabled and device.type != "cuda":
-        raise ValueError(
-            f"enable_activation_offloading=True needs a CUDA device (it copies activations to pinned host memory on "
-            f"a side stream), but device={device.type}: set enable_activation_offloading=False (on the CPU "
-            "activations already live in host memory), or train on device=cuda."
+        raise bad_value(
+            "enable_activation_offloading",
+            True,
+            "needs a CUDA device (it copies activations to pinned host memory on a side stream), but "
+            f"device={device.type}",
+            "set enable_activation_offloading=False (on the CPU activations already live in host memory), or train "
+            "on device=cuda",
         )
 
 

@@ -33,7 +33,7 @@ def check_data(
 
     Args:
         dataset (Any): the training data set.
-        val_dataset (Optional[Any]): the validation data set, if any.
+        val_dataset (Optional[Any]): the validation data set, if validation runs.
         max_seq_len (Optional[int]): ``tokenizer.max_seq_len``.
         ignore_index (int): the loss's ignore index.
         batch_size (int): samples per micro-batch, per rank.
@@ -41,14 +41,19 @@ def check_data(
         world_size (int): the number of ranks.
 
     Raises:
-        ConfigError: if none of the first samples keeps a label token within ``max_seq_len``, or an epoch has
-            fewer batches per rank than ``gradient_accumulation_steps``.
+        ConfigError: if none of the first samples keeps a label token within ``max_seq_len``, an epoch has fewer
+            batches per rank than ``gradient_accumulation_steps``, or the validation set fewer samples than ranks.
     """
     _check_samples_have_labels(dataset, max_seq_len, ignore_index)
     if world_size > 1:
-        for data in (dataset, val_dataset):
-            if data is not None:
-                check_dataset_size(len(data), batch_size, world_size)
+        check_dataset_size(len(dataset), batch_size, world_size)
+    if val_dataset is not None and len(val_dataset) < world_size:
+        raise ConfigError(
+            f"dataset_val has {len(val_dataset)} samples, fewer than one per rank ({world_size} ranks): the "
+            "validation loss would have none (each rank takes an equal share, the remainder is left out); use more "
+            "validation samples, fewer processes (--nproc_per_node) or run_val_every_n_steps=null.",
+            "dataset_val",
+        )
     batches = len(dataset) // (batch_size * world_size)
     if batches < gradient_accumulation_steps:
         raise ConfigError(  # an input error: one line, exit code 2

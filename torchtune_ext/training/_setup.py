@@ -254,7 +254,7 @@ class RecipeSetup(FTRecipeInterface):
         settings = self.settings
         check_data(
             dataset,
-            val_dataset,
+            val_dataset if settings.run_val_every_n_steps else None,
             settings.max_seq_len,
             self._loss_fn.ignore_index,
             settings.batch_size,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torchtune import modules, training
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
+from torchtune_ext.config import ConfigError
 from torchtune_ext.models import qlora_tiny_llama
 from torchtune_ext.training import activation_offloading, check_activation_offloading
 
@@ -25,7 +26,7 @@ SEQ, BATCH = 48, 2
 def test_offloading_is_refused_off_cuda():
     check_activation_offloading(False, torch.device("cpu"))
     check_activation_offloading(True, torch.device("cuda"))
-    with pytest.raises(ValueError, match="enable_activation_offloading=True needs a CUDA device"):
+    with pytest.raises(ConfigError, match="enable_activation_offloading=True needs a CUDA device"):
         check_activation_offloading(True, torch.device("cpu"))
     assert isinstance(activation_offloading(torch.nn.Linear(2, 2), False), contextlib.nullcontext)
 
