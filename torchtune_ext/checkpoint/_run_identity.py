@@ -188,6 +188,14 @@ def differences(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
     ]
 
 
+def _without_disabled_pruning(identity: Dict[str, Any]) -> Dict[str, Any]:
+    """``identity`` without its ``vocab_pruning.*`` keys where pruning is off: a section with ``enabled: False``
+    (the distributed configs', whatever its other keys say) and none (the single-device configs') are the same run."""
+    if identity.get("vocab_pruning.enabled"):
+        return identity
+    return {k: v for k, v in identity.items() if not k.startswith("vocab_pruning.")}
+
+
 def identity_differences(saved: RunIdentity, current: RunIdentity) -> Tuple[List[str], List[str]]:
     """Where ``current`` is not the ``saved`` run.
 
@@ -200,8 +208,8 @@ def identity_differences(saved: RunIdentity, current: RunIdentity) -> Tuple[List
         lines to log (the tokenizer files an older state did not record).
     """
     # Older states recorded no tokenizer files, and some tokenizer paths among the config keys compared.
-    old = {k: v for k, v in saved.identity.items() if not names_tokenizer_file(k)}
-    new = dict(current.identity)
+    old = _without_disabled_pruning({k: v for k, v in saved.identity.items() if not names_tokenizer_file(k)})
+    new = _without_disabled_pruning(dict(current.identity))
     saved_files, files = old.pop(TOKENIZER_FILES, None), new.pop(TOKENIZER_FILES, {})
     changed = differences(old, new)
     notes = []

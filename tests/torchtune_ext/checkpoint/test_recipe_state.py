@@ -224,6 +224,21 @@ def test_a_state_saved_before_tokenizer_files_were_recorded_resumes_saying_so(ba
     ]
 
 
+def test_vocab_pruning_turned_off_is_no_section_and_turned_on_is_compared(base):
+    """A distributed run (``vocab_pruning`` section, ``enabled: False``) resumes on one device (no section), and
+    back; with pruning on, its keys define the run."""
+    off = {"enabled": False, "sharding": "sharded", "kept_ids": None}
+    sectioned = _identity(OmegaConf.merge(CFG, {"vocab_pruning": off}), base / "model.safetensors")
+    plain = _identity(CFG, base / "model.safetensors")
+    for saved, current in ((sectioned, plain), (plain, sectioned)):
+        assert _state(saved).check_resume(current, kept_ids=None, total_epochs=1) == []
+    on = _identity(OmegaConf.merge(CFG, {"vocab_pruning": {**off, "enabled": True}}), base / "model.safetensors")
+    with pytest.raises(ConfigError) as raised:
+        _state(on).check_resume(plain, kept_ids=None, total_epochs=1)
+    assert "vocab_pruning.enabled: True -> (unset)" in str(raised.value)
+    assert "vocab_pruning.sharding: sharded -> (unset)" in str(raised.value)
+
+
 def test_a_finished_run_says_so(base):
     run = _identity(CFG, base / "model.safetensors")
     state = _state(run)
