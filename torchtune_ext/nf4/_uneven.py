@@ -306,8 +306,11 @@ def _copy(target: UnevenNF4Tensor, source: torch.Tensor, non_blocking: bool = Fa
         value = getattr(source, name)
         getattr(target, name)[: value.numel()].copy_(value)
     for name in ("scaler_mean", "nf4"):
-        if getattr(target, name) is not getattr(source, name):
-            setattr(target, name, getattr(source, name))
+        held, value = getattr(target, name), getattr(source, name)
+        if held is not value:
+            # In place: the copy often goes into a row slice (torch.distributed.checkpoint's load, torchtune's
+            # loader), a wrapper that shares these tensors with the shard itself.
+            held.copy_(value)
     return target
 
 
@@ -333,12 +336,25 @@ def _grow(shard: UnevenNF4Tensor, groups: int) -> None:
         tensor.resize_(length)[held:].zero_()
 
 
+def _refuse_row_gather(*args: Any, **kwargs: Any) -> None:
+    """DTensor's own gather of a row-sharded tensor (``full_tensor()``, ``redistribute``): refused on every rank
+    before any communication (the ranks with short shards pad them first, the others gather at once), where one
+    rank failing would leave the others waiting in the collective."""
+    raise NotImplementedError(
+        "DTensor.full_tensor() / redistribute() of an unevenly sharded NF4 weight: its shards hold whole scale "
+        "groups, not rows, which DTensor's row padding and gather cannot join; gather it with "
+        "torchtune_ext.distributed.get_full_state_dict (keep_nf4=True keeps it packed)"
+    )
+
+
 _HANDLERS: Dict[Any, Callable[..., Any]] = {
     aten.split.Tensor: nf4_split,
     aten.new_zeros.default: _new_zeros,
     aten.new_empty.default: _new_empty,
     aten.slice.Tensor: _slice,
     aten.copy_.default: _copy,
+    aten.constant_pad_nd.default: _refuse_row_gather,
+    torch.ops._c10d_functional.all_gather_into_tensor.default: _refuse_row_gather,
 }
 
 
@@ -400,3 +416,5 @@ def dequantize_shard_rows(weight: DTensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 register_nf4_sharding_ops(split=nf4_split, new_zeros=nf4_new_zeros)
+# As torchao allows NF4Tensor: torch.load(weights_only=True), which torch.distributed.checkpoint's load uses.
+torch.serialization.add_safe_globals([UnevenNF4Tensor])
