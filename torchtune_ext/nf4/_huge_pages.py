@@ -41,6 +41,8 @@ def empty_with_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Ten
         torch.Tensor: an uninitialised CPU tensor.
     """
     out = torch.empty(shape, dtype=dtype)
+    if torch.compiler.is_compiling():  # a traced tensor has no address to hint
+        return out
     begin = out.data_ptr()
     end = begin + out.numel() * out.element_size()
     first = -(-begin // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES

@@ -15,7 +15,7 @@ from torchtune_ext.modules import (
     frozen_linear,
     linear_nf4,
 )
-from torchtune_ext.nf4 import NF4Tensor, dequantize_nf4, quantize_nf4, to_nf4
+from torchtune_ext.nf4 import NF4Tensor, cache_nf4_decoding_tables, dequantize_nf4, quantize_nf4, to_nf4
 
 pytestmark = pytest.mark.stack
 
@@ -136,6 +136,27 @@ def test_linear_nf4_under_autocast(autocast_dtype, path):
     torch.testing.assert_close(out, ref, **TOL[autocast_dtype])
     assert explicit.dtype == torch.float32
     torch.testing.assert_close(explicit, F.linear(x, weight.get_original_weight()), **TOL[torch.float32])
+
+
+def test_linear_nf4_compiles_in_one_graph_on_the_cpu_paths(path):
+    """``compile=True`` on a CPU run: the NF4 linear traces into one graph (``fullgraph=True`` fails on a graph
+    break; the huge-page buffer's address made every compiled layer fall back to eager, and dynamo cannot write a
+    slab's strided ``out=``, so compiled code dequantizes whole weights), forward and backward equal to eager (torch's
+    matmul against oneDNN's: summation order)."""
+    torch._dynamo.reset()
+    weight, grad_out = _nf4_weight(), torch.randn(3, 5, OUT_DIM, generator=torch.Generator().manual_seed(2))
+    holder = torch.nn.Module()
+    holder.weight = torch.nn.Parameter(weight, requires_grad=False)
+    cache_nf4_decoding_tables(holder, torch.device("cpu"))  # as the recipes do before a compiled forward
+    compiled = torch.compile(lambda x: linear_nf4(x, weight, torch.float32), backend="eager", fullgraph=True)
+    results = []
+    for run in (compiled, lambda x: linear_nf4(x, weight, torch.float32)):
+        x = _input(torch.float32)
+        out = run(x)
+        out.backward(grad_out)
+        results.append((out.detach(), x.grad))
+    for actual, expected in zip(*results):
+        torch.testing.assert_close(actual, expected, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
