@@ -73,9 +73,9 @@ def _small_batch_rows(weight: NF4Tensor, tokens: int) -> Optional[int]:
     """Rows per forward slab for ``tokens`` tokens through a CPU weight too small for :func:`_slab_plan` (decoding),
     or None for the whole dequantized weight."""
     out_dim, in_dim = weight.shape
-    if torch.compiler.is_compiling() or tokens > _SMALL_BATCH_TOKENS:  # compiled: as in _slab_plan
+    if torch.compiler.is_compiling():  # as in _slab_plan
         return None
-    if weight.device.type != "cpu" or not weight.is_contiguous():
+    if tokens > _SMALL_BATCH_TOKENS or weight.device.type != "cpu" or not weight.is_contiguous():
         return None
     return min(out_dim, max(1, _CPU_SLAB_NUMEL // in_dim)) if in_dim % weight.block_size == 0 else None
 
